@@ -1,0 +1,159 @@
+"""Marshalling torch tensors to the framework-agnostic kernels in `k2_kernels._C`.
+
+The compiled functions take raw pointers (as integers), sizes, row strides, dtype tags and, on
+CUDA, a device index and a stream handle. Each `run_*` returns None when no compiled kernel
+serves this device/dtype, and the caller falls back to `k2_kernels.reference`.
+
+Shape legend: T tokens, E routed experts, K experts per token, D hidden size, N = T * K rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from k2_kernels import _lib
+
+
+def _backend(t: Tensor) -> str | None:
+    """"cpu" / "cuda" when a compiled kernel serves the tensor's device, else None (and warn once)."""
+    if t.device.type == "cpu" and _lib.has_cpu():
+        return "cpu"
+    if t.device.type == "cuda" and _lib.has_cuda():
+        return "cuda"
+    if t.device.type in ("cpu", "cuda"):
+        _lib.warn_fallback(t.device)
+    return None
+
+
+def _stream(t: Tensor) -> tuple[int, int]:
+    dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return dev, torch.cuda.current_stream(dev).cuda_stream
+
+
+def _rows(t: Tensor) -> Tensor:
+    """A 2-D view whose inner dimension is contiguous (row stride free), copying only if needed."""
+    return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
+
+
+def _row_stride(t: Tensor) -> int:
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
+
+
+def run_route(
+    logits_TE: Tensor,
+    bias_E: Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+    norm_topk_prob: bool,
+) -> tuple[Tensor, Tensor] | None:
+    backend = _backend(logits_TE)
+    if backend is None or logits_TE.dtype not in _lib.FLOAT_TAGS:
+        return None
+    if bias_E is not None and bias_E.dtype not in _lib.FLOAT_TAGS:
+        return None
+    T, E = logits_TE.shape
+    logits_TE = _rows(logits_TE)
+    if bias_E is not None:
+        bias_E = bias_E.contiguous()
+    idx_TK = torch.empty(T, top_k, dtype=torch.int64, device=logits_TE.device)
+    weight_TK = torch.empty(T, top_k, dtype=torch.float32, device=logits_TE.device)
+    args = (
+        logits_TE.data_ptr(),
+        _lib.DTYPE_TAG[logits_TE.dtype],
+        _row_stride(logits_TE),
+        0 if bias_E is None else bias_E.data_ptr(),
+        0 if bias_E is None else _lib.DTYPE_TAG[bias_E.dtype],
+        T,
+        E,
+        top_k,
+        n_group,
+        topk_group,
+        float(routed_scaling_factor),
+        bool(norm_topk_prob),
+        idx_TK.data_ptr(),
+        weight_TK.data_ptr(),
+    )
+    C = _lib.compiled()
+    if backend == "cpu":
+        C.moe_route_cpu(*args)
+    else:
+        C.moe_route_cuda(*_stream(logits_TE), *args)
+    return idx_TK, weight_TK
+
+
+def run_permute(
+    x_TD: Tensor, topk_idx_TK: Tensor, num_experts: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    backend = _backend(x_TD)
+    if backend is None or topk_idx_TK.dtype not in _lib.INDEX_DTYPES:
+        return None
+    T, D = x_TD.shape
+    K = topk_idx_TK.shape[1]
+    x_TD = _rows(x_TD)
+    topk_idx_TK = topk_idx_TK.contiguous()
+    dev = x_TD.device
+    x_ND = torch.empty(T * K, D, dtype=x_TD.dtype, device=dev)
+    row_to_slot_N = torch.empty(T * K, dtype=torch.int64, device=dev)
+    counts_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    offsets_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    args = (
+        x_TD.data_ptr(),
+        x_TD.element_size(),
+        _row_stride(x_TD),
+        topk_idx_TK.data_ptr(),
+        _lib.DTYPE_TAG[topk_idx_TK.dtype],
+        T,
+        K,
+        D,
+        num_experts,
+        x_ND.data_ptr(),
+        row_to_slot_N.data_ptr(),
+        counts_E.data_ptr(),
+        offsets_E.data_ptr(),
+    )
+    C = _lib.compiled()
+    if backend == "cpu":
+        C.moe_permute_cpu(*args)
+    else:
+        ws = torch.empty(C.moe_permute_workspace_bytes(T, K, num_experts), dtype=torch.uint8, device=dev)
+        C.moe_permute_cuda(*_stream(x_TD), *args, ws.data_ptr())
+    return x_ND, row_to_slot_N, counts_E, offsets_E
+
+
+def run_unpermute(y_ND: Tensor, row_to_slot_N: Tensor, topk_weight_TK: Tensor) -> Tensor | None:
+    backend = _backend(y_ND)
+    if (
+        backend is None
+        or y_ND.dtype not in _lib.FLOAT_TAGS
+        or topk_weight_TK.dtype not in _lib.FLOAT_TAGS
+        or row_to_slot_N.dtype != torch.int64
+    ):
+        return None
+    T, K = topk_weight_TK.shape
+    D = y_ND.shape[1]
+    y_ND = _rows(y_ND)
+    row_to_slot_N = row_to_slot_N.contiguous()
+    topk_weight_TK = topk_weight_TK.contiguous()
+    out_TD = torch.empty(T, D, dtype=y_ND.dtype, device=y_ND.device)
+    args = (
+        y_ND.data_ptr(),
+        _lib.DTYPE_TAG[y_ND.dtype],
+        _row_stride(y_ND),
+        row_to_slot_N.data_ptr(),
+        topk_weight_TK.data_ptr(),
+        _lib.DTYPE_TAG[topk_weight_TK.dtype],
+        T,
+        K,
+        D,
+        out_TD.data_ptr(),
+    )
+    C = _lib.compiled()
+    if backend == "cpu":
+        C.moe_unpermute_cpu(*args)
+    else:
+        ws = torch.empty(C.moe_unpermute_workspace_bytes(T, K), dtype=torch.uint8, device=y_ND.device)
+        C.moe_unpermute_cuda(*_stream(y_ND), *args, ws.data_ptr())
+    return out_TD

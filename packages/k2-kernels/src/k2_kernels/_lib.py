@@ -1,0 +1,91 @@
+"""Loading the compiled module `k2_kernels._C` and reporting what it offers.
+
+The compiled module is optional: without it (or without its CUDA part) every op falls back to
+`k2_kernels.reference`, and the first fallback in a process says so once with `warnings.warn`.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from types import ModuleType
+from typing import Any
+
+import torch
+
+try:  # the compiled extension; absent in a source tree that was never built
+    from k2_kernels import _C as _compiled
+
+    _LOAD_ERROR: str | None = None
+except ImportError as exc:  # pragma: no cover - depends on the build
+    _compiled = None
+    _LOAD_ERROR = f"{type(exc).__name__}: {exc}"
+
+# dtype tags shared with csrc/include/k2/common.h (keep in sync).
+DTYPE_TAG: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.float16: 2,
+    torch.float64: 3,
+    torch.int32: 4,
+    torch.int64: 5,
+}
+FLOAT_TAGS = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+_warned = False
+_warn_lock = threading.Lock()
+
+
+def compiled() -> ModuleType | None:
+    """The compiled module, or None when it could not be imported."""
+    return _compiled
+
+
+def has_cpu() -> bool:
+    return _compiled is not None and hasattr(_compiled, "moe_route_cpu")
+
+
+def has_cuda() -> bool:
+    return _compiled is not None and bool(getattr(_compiled, "with_cuda", False)) and hasattr(
+        _compiled, "moe_route_cuda"
+    )
+
+
+def available() -> bool:
+    """True when the compiled module loaded (CPU kernels at least)."""
+    return has_cpu()
+
+
+def info() -> dict[str, Any]:
+    """What this install can run: compiled module, CUDA kernels, and why not when not."""
+    return {
+        "compiled": _compiled is not None,
+        "compiled_path": getattr(_compiled, "__file__", None),
+        "cpu_kernels": has_cpu(),
+        "cuda_kernels": has_cuda(),
+        "cuda_archs": getattr(_compiled, "cuda_archs", None),
+        "load_error": _LOAD_ERROR,
+        "torch_cuda_available": torch.cuda.is_available(),
+    }
+
+
+def warn_fallback(device: torch.device) -> None:
+    """Say once per process that an op runs the PyTorch reference instead of a kernel."""
+    global _warned
+    with _warn_lock:
+        if _warned:
+            return
+        _warned = True
+    if _compiled is None:
+        why = f"the compiled module k2_kernels._C could not be imported ({_LOAD_ERROR})"
+    elif device.type == "cuda":
+        why = "k2_kernels._C was built without CUDA kernels (rebuild with K2_CUDA=ON and nvcc on PATH)"
+    else:
+        why = f"k2_kernels._C has no kernels for device {device}"
+    warnings.warn(
+        f"k2_kernels: {why}; falling back to the plain PyTorch reference ops (k2_kernels.reference), "
+        "which are correct but slower.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
