@@ -1,3 +1,17 @@
-"""k2-optim."""
+"""k2-optim: MuonClip (Muon + QK-Clip) for any PyTorch model, with batched Newton-Schulz."""
+
+from .muon import Muon, adjust_lr, declare_fused, default_ns_dtype
+from .newton_schulz import KELLER_QUINTIC, POLAR_EXPRESS, newton_schulz, resolve_ns_schedule
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "KELLER_QUINTIC",
+    "POLAR_EXPRESS",
+    "Muon",
+    "adjust_lr",
+    "declare_fused",
+    "default_ns_dtype",
+    "newton_schulz",
+    "resolve_ns_schedule",
+]

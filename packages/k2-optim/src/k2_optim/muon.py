@@ -1,0 +1,218 @@
+"""Muon: momentum, then Newton-Schulz orthogonalisation, per logical matrix, batched by shape.
+
+Tensor legend:
+    E  experts (leading batch dims of a stacked parameter, flattened)
+    B  logical matrices of one shape in one bucket (all experts of all same-shape params)
+    O  output rows of one logical matrix,  I  input columns
+
+Update rule (Moonlight / K2 Algorithm 1, written in torch.optim.Muon's EMA form, which
+differs from M = mu M + G only by the constant factor (1 - mu) that NS normalises away):
+    buf = lerp(buf, g, 1 - mu);  u = lerp(g, buf, mu) if nesterov else buf
+    O   = NS(u) ;  W = W * (1 - lr * wd) - lr * 0.2 * sqrt(max(O, I)) * O
+The "unit" is the logical matrix: each expert of a stacked [E, O, I] weight, and each
+declared piece of a fused weight (gate and up stored in one tensor) is orthogonalised and
+RMS-matched on its own. Matrices of the same shape are stacked and go through one
+batched NS call, so there is no Python loop over experts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .newton_schulz import Coeffs, newton_schulz, resolve_ns_schedule
+
+__all__ = ["Muon", "adjust_lr", "default_ns_dtype", "declare_fused"]
+
+_FUSED_ATTR = "_k2_muon_split"
+
+
+def default_ns_dtype(device: torch.device) -> torch.dtype:
+    """bf16 where the hardware has fast bf16 GEMMs (CUDA); fp32 on CPU (bf16 is emulated there, ~30x slower)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def adjust_lr(lr: float, adjust_lr_fn: str | None, out_dim: int, in_dim: int) -> float:
+    """Per-matrix learning rate: "match_rms_adamw" = lr * 0.2 * sqrt(max(O, I)) (Moonlight, K2);
+    "original" = lr * sqrt(max(1, O / I)) (Keller Jordan); None = lr."""
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(out_dim, in_dim))
+    if adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1.0, out_dim / in_dim))
+    if adjust_lr_fn is None or adjust_lr_fn == "none":
+        return lr
+    raise ValueError(f"adjust_lr_fn must be 'match_rms_adamw', 'original' or None, got {adjust_lr_fn!r}")
+
+
+def declare_fused(param: Tensor, sizes: Sequence[int], dim: int = -2) -> Tensor:
+    """Mark `param` as several logical matrices concatenated along `dim` (-2: rows, -1: cols).
+
+    E.g. a gate+up weight [E, 2F, D]: `declare_fused(w, (F, F))`. Muon then orthogonalises
+    (and RMS-matches) gate and up separately. Equivalent to a param group with
+    `split_sizes=(F, F)`; the attribute does not survive re-wrapping of the parameter (e.g.
+    FSDP2's fully_shard), the group key does.
+    """
+    _check_split(tuple(param.shape), tuple(sizes), dim, "declare_fused")
+    setattr(param, _FUSED_ATTR, (tuple(int(s) for s in sizes), dim))
+    return param
+
+
+def _check_split(shape: tuple[int, ...], sizes: tuple[int, ...], dim: int, where: str) -> None:
+    if len(shape) < 2:
+        raise ValueError(f"{where}: parameter of shape {shape} is not a matrix")
+    if dim not in (-2, -1):
+        raise ValueError(f"{where}: split dim must be -2 (rows) or -1 (columns), got {dim}")
+    if sum(sizes) != shape[dim] or any(s <= 0 for s in sizes):
+        raise ValueError(f"{where}: split sizes {sizes} must be positive and sum to shape[{dim}]={shape[dim]}")
+
+
+class Muon(Optimizer):
+    """Muon for matrices (2-D or stacked [..., out, in]); equal to
+    `torch.optim.Muon(..., adjust_lr_fn="match_rms_adamw")` when `ns_dtype=torch.bfloat16`.
+
+    Args:
+        params: parameters or param groups. A group may set `split_sizes` (and `split_dim`,
+            default -2) to declare that each of its params is several logical matrices.
+        lr: learning rate (the AdamW-equivalent lr when adjust_lr_fn="match_rms_adamw").
+        weight_decay: decoupled weight decay, applied with the unadjusted lr.
+        momentum, nesterov: EMA momentum as in torch.optim.Muon.
+        ns_steps: Newton-Schulz iterations.
+        ns_coefficients: "keller" (default), "polar_express", one (a, b, c) or a list of them.
+        ns_dtype: NS compute dtype; None = bf16 on CUDA, fp32 on CPU.
+        eps: floor of the Frobenius norm in the NS normalisation.
+        adjust_lr_fn: "match_rms_adamw" (default, K2), "original" or None.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ns_coefficients: str | Coeffs | Sequence[Coeffs] = "keller",
+        ns_dtype: torch.dtype | None = None,
+        eps: float = 1e-7,
+        adjust_lr_fn: str | None = "match_rms_adamw",
+    ) -> None:
+        if lr < 0:
+            raise ValueError(f"Muon: lr must be >= 0, got {lr}")
+        if weight_decay < 0:
+            raise ValueError(f"Muon: weight_decay must be >= 0, got {weight_decay}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"Muon: momentum must be in [0, 1), got {momentum}")
+        resolve_ns_schedule(ns_coefficients, ns_steps)  # validate early, with a clear message
+        adjust_lr(1.0, adjust_lr_fn, 1, 1)
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            ns_coefficients=ns_coefficients,
+            ns_dtype=ns_dtype,
+            eps=eps,
+            adjust_lr_fn=adjust_lr_fn,
+            split_sizes=None,
+            split_dim=-2,
+        )
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            self._validate_group(group)
+
+    # Subclasses (MuonClip) route non-Muon groups elsewhere.
+    def _is_muon_group(self, group: dict[str, Any]) -> bool:
+        return True
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        if not self._is_muon_group(group):
+            return
+        for i, p in enumerate(group["params"]):
+            if p.ndim < 2:
+                raise ValueError(
+                    f"Muon: param {i} of a Muon group has shape {tuple(p.shape)}; Muon takes matrices "
+                    "([out, in] or stacked [..., out, in]). Use AdamW (or MuonClip, which routes them) "
+                    "for biases, norms and other 1-D parameters."
+                )
+            split = self._split_of(group, p)
+            if split is not None:
+                _check_split(tuple(p.shape), split[0], split[1], f"Muon param {i}")
+
+    @staticmethod
+    def _split_of(group: dict[str, Any], p: Tensor) -> tuple[tuple[int, ...], int] | None:
+        if group.get("split_sizes"):
+            return tuple(group["split_sizes"]), int(group.get("split_dim", -2))
+        return getattr(p, _FUSED_ATTR, None)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if self._is_muon_group(group):
+                self._muon_group_step(group)
+        return loss
+
+    def _momentum_update(self, group: dict[str, Any], p: Tensor) -> Tensor:
+        """Advance p's momentum buffer; return the tensor to orthogonalise (never the buffer
+        itself when nesterov; the buffer read-only otherwise)."""
+        grad = p.grad
+        if grad.is_sparse:
+            raise RuntimeError("Muon does not support sparse gradients")
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        buf = state["momentum_buffer"]
+        mu = group["momentum"]
+        buf.lerp_(grad, 1 - mu)
+        return grad.lerp(buf, mu) if group["nesterov"] else buf
+
+    def _muon_group_step(self, group: dict[str, Any]) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        schedule = resolve_ns_schedule(group["ns_coefficients"], group["ns_steps"])
+        # 1. momentum, then cut every update into logical matrices and bucket them by shape.
+        buckets: dict[tuple, list[tuple[Tensor, Tensor]]] = defaultdict(list)  # key -> [(dest view, update)]
+        for p in params:
+            u = self._momentum_update(group, p)
+            ns_dtype = group["ns_dtype"] or default_ns_dtype(p.device)
+            for dest, piece in self._logical_pieces(group, p, u):
+                key = (tuple(piece.shape[-2:]), piece.device, ns_dtype)
+                buckets[key].append((dest, piece))
+        # 2. weight decay with the unadjusted lr (decoupled), before the update as torch does.
+        lr, wd = group["lr"], group["weight_decay"]
+        if wd != 0:
+            for p in params:
+                p.mul_(1 - lr * wd)
+        # 3. one batched NS per shape; scatter back with the per-shape RMS-matched lr.
+        for (shape, _device, ns_dtype), items in buckets.items():
+            out_dim, in_dim = shape
+            if len(items) == 1:
+                U_BOI = items[0][1].reshape(-1, out_dim, in_dim)
+            else:
+                U_BOI = torch.cat([piece.reshape(-1, out_dim, in_dim) for _, piece in items])
+            O_BOI = newton_schulz(U_BOI, schedule, dtype=ns_dtype, eps=group["eps"])
+            alpha = -adjust_lr(lr, group["adjust_lr_fn"], out_dim, in_dim)
+            offset = 0
+            for dest, piece in items:
+                n = piece.numel() // (out_dim * in_dim)
+                dest.add_(O_BOI[offset : offset + n].reshape(dest.shape), alpha=alpha)
+                offset += n
+
+    def _logical_pieces(self, group: dict[str, Any], p: Tensor, u: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """(view of p to update, matching slice of the update) for each logical matrix group."""
+        split = self._split_of(group, p)
+        if split is None:
+            return [(p, u)]
+        sizes, dim = split
+        return list(zip(p.split(sizes, dim=dim), u.split(sizes, dim=dim)))

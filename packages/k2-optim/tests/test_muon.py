@@ -1,0 +1,139 @@
+"""Muon: parity with torch.optim.Muon, batched/fused logical matrices, NS accuracy."""
+
+import pytest
+import torch
+from k2_optim import Muon, declare_fused
+from k2_optim.newton_schulz import newton_schulz, resolve_ns_schedule
+
+
+def _pairs(shapes, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    a = [torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in shapes]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    return a, b
+
+
+def _set_grads(pa, pb, seed):
+    g = torch.Generator().manual_seed(seed)
+    for a, b in zip(pa, pb):
+        grad = torch.randn(a.shape, generator=g, dtype=a.dtype)
+        a.grad, b.grad = grad.clone(), grad.clone().to(b.dtype)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_bf16_update_equals_torch_muon(nesterov):
+    # Small shapes: torch's NS is bf16, emulated (slow) on this CPU. Mixed orientations and a
+    # repeated shape exercise the transposed path and our same-shape batching.
+    shapes = [(32, 48), (48, 32), (32, 48), (16, 16)]
+    ours, ref = _pairs(shapes)
+    o1 = Muon(ours, lr=0.02, weight_decay=0.1, nesterov=nesterov, ns_dtype=torch.bfloat16)
+    o2 = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn="match_rms_adamw")
+    for step in range(3):
+        _set_grads(ours, ref, seed=100 + step)
+        o1.step()
+        o2.step()
+        for a, b in zip(ours, ref):
+            # same bf16 NS arithmetic; measured bit-identical on torch 2.13 CPU
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_fp32_default_on_cpu_matches_float64_run():
+    # The CPU default NS dtype is fp32: compare with a float64 run of the same algorithm.
+    ours, ref = _pairs([(24, 40), (40, 24)])
+    ref64 = [torch.nn.Parameter(p.detach().double()) for p in ref]
+    o1 = Muon(ours, lr=0.05, weight_decay=0.1)
+    o2 = Muon(ref64, lr=0.05, weight_decay=0.1, ns_dtype=torch.float64)
+    for step in range(2):
+        _set_grads(ours, ref64, seed=7 + step)
+        o1.step()
+        o2.step()
+    for a, b in zip(ours, ref64):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-5)
+
+
+def test_stacked_experts_equal_per_expert_2d_params():
+    E, O, I = 6, 12, 20
+    g = torch.Generator().manual_seed(1)
+    w = torch.nn.Parameter(torch.randn(E, O, I, generator=g))
+    singles = [torch.nn.Parameter(w.detach()[e].clone()) for e in range(E)]
+    o1 = Muon([w], lr=0.03, weight_decay=0.05)
+    o2 = Muon(singles, lr=0.03, weight_decay=0.05)
+    for _step in range(3):
+        grad = torch.randn(E, O, I, generator=g)
+        w.grad = grad.clone()
+        for e in range(E):
+            singles[e].grad = grad[e].clone()
+        o1.step()
+        o2.step()
+    torch.testing.assert_close(w.detach(), torch.stack([s.detach() for s in singles]), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["group", "attribute"])
+def test_fused_gate_up_orthogonalised_separately(how):
+    E, F, D = 3, 8, 20
+    g = torch.Generator().manual_seed(2)
+    gate_up = torch.nn.Parameter(torch.randn(E, 2 * F, D, generator=g))
+    gate = torch.nn.Parameter(gate_up.detach()[:, :F].clone())
+    up = torch.nn.Parameter(gate_up.detach()[:, F:].clone())
+    if how == "group":
+        o1 = Muon([{"params": [gate_up], "split_sizes": (F, F)}], lr=0.03, weight_decay=0.1)
+    else:
+        o1 = Muon([declare_fused(gate_up, (F, F))], lr=0.03, weight_decay=0.1)
+    o2 = Muon([gate, up], lr=0.03, weight_decay=0.1)
+    unsplit = torch.nn.Parameter(gate_up.detach().clone())
+    o3 = Muon([unsplit], lr=0.03, weight_decay=0.1)
+    for _ in range(2):
+        grad = torch.randn(E, 2 * F, D, generator=g)
+        gate_up.grad, unsplit.grad = grad.clone(), grad.clone()
+        gate.grad, up.grad = grad[:, :F].clone(), grad[:, F:].clone()
+        for o in (o1, o2, o3):
+            o.step()
+    torch.testing.assert_close(gate_up.detach(), torch.cat([gate.detach(), up.detach()], dim=1), rtol=0, atol=1e-6)
+    # and it matters: treating the fused tensor as one matrix gives a different update
+    assert (unsplit - gate_up).abs().max() > 1e-3
+
+
+def test_ns_never_mutates_momentum_buffer():
+    # nesterov=False hands the buffer itself to NS; with bf16 params the dtype cast is a no-op,
+    # so an in-place normalisation would scale the buffer (torch.optim.Muon's bf16 path does).
+    p = torch.nn.Parameter(torch.randn(16, 24, dtype=torch.bfloat16))
+    grad = torch.randn(16, 24, dtype=torch.bfloat16)
+    p.grad = grad
+    opt = Muon([p], lr=0.01, nesterov=False, ns_dtype=torch.bfloat16, momentum=0.9)
+    opt.step()
+    expected = torch.zeros_like(grad).lerp_(grad, 1 - 0.9)
+    assert torch.equal(opt.state[p]["momentum_buffer"], expected)
+
+
+def test_ns_output_approximates_polar_factor():
+    g = torch.Generator().manual_seed(3)
+    G = torch.randn(4, 64, 128, generator=g, dtype=torch.float64)
+    U, _, Vh = torch.linalg.svd(G, full_matrices=False)
+    polar = U @ Vh
+    keller = newton_schulz(G.float(), resolve_ns_schedule("keller", 5)).double()
+    s = torch.linalg.svdvals(keller)
+    assert s.min() > 0.5 and s.max() < 1.5  # Keller's quintic: S' ~ U(0.5, 1.5) by design
+    pe = newton_schulz(G.float(), resolve_ns_schedule("polar_express", 8)).double()
+    assert ((pe - polar).norm() / polar.norm()) < 1e-3  # Polar Express converges to U V^T
+    # tall input goes through the transposed path and gives the transposed answer
+    tall = newton_schulz(G.mT.float(), resolve_ns_schedule("polar_express", 8)).double()
+    torch.testing.assert_close(tall, pe.mT, rtol=0, atol=1e-5)
+
+
+def test_polar_express_schedule_values():
+    sched = resolve_ns_schedule("polar_express", 10)
+    a0, b0, c0 = sched.coeffs[0]
+    assert a0 == pytest.approx(8.28721201814563 / 1.01)
+    assert b0 == pytest.approx(-23.595886519098837 / 1.01**3)
+    assert c0 == pytest.approx(17.300387312530933 / 1.01**5)
+    assert sched.coeffs[7] == sched.coeffs[9] == (1.875, -1.25, 0.375)
+    assert resolve_ns_schedule("keller", 3).coeffs == ((3.4445, -4.7750, 2.0315),) * 3
+
+
+def test_bad_arguments_have_clear_errors():
+    with pytest.raises(ValueError, match="Muon takes matrices"):
+        Muon([torch.nn.Parameter(torch.zeros(5))])
+    with pytest.raises(ValueError, match="split sizes"):
+        Muon([{"params": [torch.nn.Parameter(torch.zeros(6, 4))], "split_sizes": (3, 2)}])
+    with pytest.raises(ValueError, match="ns_coefficients"):
+        Muon([torch.nn.Parameter(torch.zeros(6, 4))], ns_coefficients="nope")
