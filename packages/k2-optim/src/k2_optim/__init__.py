@@ -2,6 +2,7 @@
 
 from .muon import Muon, adjust_lr, declare_fused, default_ns_dtype
 from .newton_schulz import KELLER_QUINTIC, POLAR_EXPRESS, newton_schulz, resolve_ns_schedule
+from .schedule import wsd_factor, wsd_schedule
 
 __version__ = "0.1.0"
 
@@ -14,4 +15,6 @@ __all__ = [
     "default_ns_dtype",
     "newton_schulz",
     "resolve_ns_schedule",
+    "wsd_factor",
+    "wsd_schedule",
 ]
