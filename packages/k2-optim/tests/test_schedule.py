@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from k2_optim import Muon, wsd_schedule
 
 
