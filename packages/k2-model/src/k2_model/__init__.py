@@ -1,6 +1,7 @@
 """k2-model: the Kimi K2 / DeepSeek-V3 architecture (MLA + fine-grained MoE) in PyTorch."""
 
 from k2_model.config import PRESETS, K2Config
+from k2_model.model import K2CausalLMOutput, K2ForCausalLM, K2Model
 
-__all__ = ["K2Config", "PRESETS"]
+__all__ = ["K2Config", "K2ForCausalLM", "K2Model", "K2CausalLMOutput", "PRESETS"]
 __version__ = "0.1.0"

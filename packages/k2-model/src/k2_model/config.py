@@ -243,6 +243,8 @@ class K2Config:
             raise ValueError(f"K2Config.preset: unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         kwargs = copy.deepcopy(PRESETS[name])
         kwargs.update(overrides)
+        if "num_attention_heads" in overrides and "num_key_value_heads" not in overrides:
+            kwargs["num_key_value_heads"] = overrides["num_attention_heads"]
         return cls(**kwargs)
 
     def replace(self, **changes: Any) -> K2Config:

@@ -1,0 +1,371 @@
+"""K2ForCausalLM: Kimi K2 / DeepSeek-V3 decoder (MLA attention + fine-grained MoE), readable top to bottom.
+
+Shape legend: B batch, S sequence (queries), L keys (= S here), D hidden size, H attention heads,
+Q q_lora_rank, C kv_lora_rank, P qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim, Dh = P + R,
+T tokens (B * S), N vocabulary size.
+
+Parameter names equal transformers' DeepseekV3ForCausalLM, except routed experts, which are stacked
+(`mlp.experts.gate_proj [E, I, D]`); k2_model.checkpoint maps them to HF's per-expert names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from k2_model.config import K2Config
+from k2_model.moe import MLP, MoE, Router, RoutedExperts
+from k2_model.rope import apply_rope_interleaved, rope_cos_sin, rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, cast back, then scaled (the order transformers uses)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention: low-rank q and kv paths, nope/rope split, one shared rotary key.
+
+    In training mode it records each head's maximum pre-softmax logit (after the softmax scale,
+    over the pairs the mask allows) into `max_logits_H`, the QK-Clip signal.
+    """
+
+    def __init__(self, config: K2Config, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        D, H = config.hidden_size, config.num_attention_heads
+        self.num_heads = H
+        self.P, self.R, self.V = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.C = config.kv_lora_rank
+        self.softmax_scale = config.softmax_scale
+        bias = config.attention_bias
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, H * (self.P + self.R), bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, H * (self.P + self.R), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.C + self.R, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.C)
+        self.kv_b_proj = nn.Linear(self.C, H * (self.P + self.V), bias=False)
+        self.o_proj = nn.Linear(H * self.V, D, bias=bias)
+        # "sdpa": fused attention + a no-grad score pass for max logits; "eager": explicit softmax.
+        self.attn_impl = "sdpa"
+        self.register_buffer("max_logits_H", torch.full((H,), -math.inf), persistent=False)
+
+    def forward(self, x_BSD: Tensor, cos_BSR2: Tensor, sin_BSR2: Tensor, mask_BSL: Tensor | None) -> Tensor:
+        B, S, _ = x_BSD.shape
+        H, P, R, V = self.num_heads, self.P, self.R, self.V
+        if self.config.q_lora_rank is None:
+            q_BSHDh = self.q_proj(x_BSD).view(B, S, H, P + R)
+        else:
+            q_BSHDh = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSD))).view(B, S, H, P + R)
+        q_BHSDh = q_BSHDh.transpose(1, 2)
+        q_nope_BHSP, q_rope_BHSR = q_BHSDh.split([P, R], dim=-1)
+
+        ckv_BSCR = self.kv_a_proj_with_mqa(x_BSD)
+        c_BSC, k_rope_BSR = ckv_BSCR.split([self.C, R], dim=-1)
+        kv_BSH = self.kv_b_proj(self.kv_a_layernorm(c_BSC)).view(B, S, H, P + V).transpose(1, 2)
+        k_nope_BHSP, v_BHSV = kv_BSH.split([P, V], dim=-1)
+
+        q_rope_BHSR = apply_rope_interleaved(q_rope_BHSR, cos_BSR2.unsqueeze(1), sin_BSR2.unsqueeze(1))
+        k_rope_B1SR = apply_rope_interleaved(k_rope_BSR, cos_BSR2, sin_BSR2).unsqueeze(1)
+
+        q_BHSDh = torch.cat((q_nope_BHSP, q_rope_BHSR), dim=-1)
+        k_BHSDh = torch.cat((k_nope_BHSP, k_rope_B1SR.expand(B, H, S, R)), dim=-1)
+        mask_B1SL = None if mask_BSL is None else mask_BSL.unsqueeze(1)
+
+        if self.attn_impl == "eager":
+            scores_BHSL = torch.matmul(q_BHSDh, k_BHSDh.transpose(-1, -2)) * self.softmax_scale
+            allowed = mask_B1SL if mask_B1SL is not None else _causal(S, x_BSD.device)
+            scores_BHSL = scores_BHSL.masked_fill(~allowed, -math.inf)
+            if self.training:
+                self._record_max_logits(scores_BHSL.detach())
+            probs = F.softmax(scores_BHSL, dim=-1, dtype=torch.float32).to(q_BHSDh.dtype)
+            o_BHSV = torch.matmul(probs, v_BHSV)
+        else:
+            if self.training:
+                with torch.no_grad():
+                    s_BHSL = torch.matmul(q_BHSDh, k_BHSDh.transpose(-1, -2)) * self.softmax_scale
+                    allowed = mask_B1SL if mask_B1SL is not None else _causal(S, x_BSD.device)
+                    self._record_max_logits(s_BHSL.masked_fill_(~allowed, -math.inf))
+            if mask_B1SL is None:
+                o_BHSV = F.scaled_dot_product_attention(
+                    q_BHSDh, k_BHSDh, v_BHSV, is_causal=True, scale=self.softmax_scale
+                )
+            else:
+                o_BHSV = F.scaled_dot_product_attention(
+                    q_BHSDh, k_BHSDh, v_BHSV, attn_mask=mask_B1SL, scale=self.softmax_scale
+                )
+        return self.o_proj(o_BHSV.transpose(1, 2).reshape(B, S, H * V))
+
+    @torch.no_grad()
+    def _record_max_logits(self, scores_BHSL: Tensor) -> None:
+        m_H = scores_BHSL.float().amax(dim=(0, 2, 3))
+        torch.maximum(self.max_logits_H, m_H.to(self.max_logits_H.device), out=self.max_logits_H)
+
+
+def _causal(S: int, device: torch.device) -> Tensor:
+    return torch.ones(S, S, dtype=torch.bool, device=device).tril()
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: K2Config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(config, layer_idx)
+        self.mlp: nn.Module = (
+            MoE(config) if config.is_moe_layer(layer_idx) else MLP(config.hidden_size, config.intermediate_size)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, mask_BSL: Tensor | None) -> Tensor:
+        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos, sin, mask_BSL)
+        return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
+
+
+class K2Model(nn.Module):
+    """Embeddings, decoder layers, final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: K2Config) -> None:
+        super().__init__()
+        self.config = config
+        # As transformers: the pad row gets no gradient (padding_idx) and starts at zero.
+        pad = config.pad_token_id
+        self.padding_idx = pad if pad is not None and 0 <= pad < config.vocab_size else None
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=self.padding_idx)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        inv_freq, self.rope_attention_factor = rope_inv_freq(config)
+        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self,
+        input_ids_BS: Tensor,
+        position_ids_BS: Tensor | None = None,
+        attention_mask_BS: Tensor | None = None,
+        document_ids_BS: Tensor | None = None,
+    ) -> Tensor:
+        B, S = input_ids_BS.shape
+        device = input_ids_BS.device
+        if position_ids_BS is None:
+            position_ids_BS = torch.arange(S, device=device).unsqueeze(0).expand(B, S)
+        cos, sin = rope_cos_sin(self.rope_inv_freq, position_ids_BS, self.rope_attention_factor)
+        mask_BSL = build_attention_mask(S, device, attention_mask_BS, document_ids_BS)
+        h_BSD = self.embed_tokens(input_ids_BS)
+        for layer in self.layers:
+            h_BSD = layer(h_BSD, cos, sin, mask_BSL)
+        return self.norm(h_BSD)
+
+
+def build_attention_mask(
+    S: int, device: torch.device, attention_mask_BS: Tensor | None, document_ids_BS: Tensor | None
+) -> Tensor | None:
+    """Boolean [B, S, L] mask (True = may attend): causal, same document, key not padding.
+
+    None means plain causal (the fast path). Each query may always see itself so no softmax row
+    is empty (padded queries' outputs are meaningless and excluded from the loss by labels).
+    """
+    if attention_mask_BS is None and document_ids_BS is None:
+        return None
+    allowed_BSL = _causal(S, device).unsqueeze(0)
+    if document_ids_BS is not None:
+        allowed_BSL = allowed_BSL & (document_ids_BS.unsqueeze(2) == document_ids_BS.unsqueeze(1))
+    if attention_mask_BS is not None:
+        allowed_BSL = allowed_BSL & attention_mask_BS.bool().unsqueeze(1)
+    return allowed_BSL | torch.eye(S, dtype=torch.bool, device=device)
+
+
+@dataclass
+class K2CausalLMOutput:
+    logits: Tensor
+    loss: Tensor | None = None
+
+
+class K2ForCausalLM(nn.Module):
+    """The K2 / DeepSeek-V3 causal LM with an untied head.
+
+    Training-loop duties (documented in the README):
+      * after each optimizer step call `update_expert_bias(step_size)`, which all-reduces the
+        per-expert token counts of the step (when torch.distributed is initialised) and moves the
+        selection bias by `step_size * sign(mean_load - load)`;
+      * QK-Clip (k2-optim) reads `attention_max_logits()` and `qk_clip_layers()` after the step
+        and calls `reset_attention_max_logits()`.
+    """
+
+    def __init__(self, config: K2Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = K2Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """transformers' init: N(0, initializer_range) for matrices, ones for norms, zero bias."""
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0.0, std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, 0.0, std)
+                if m.padding_idx is not None:
+                    m.weight[m.padding_idx].zero_()
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+            elif isinstance(m, Router):
+                nn.init.normal_(m.weight, 0.0, std)
+            elif isinstance(m, RoutedExperts):
+                for p in (m.gate_proj, m.up_proj, m.down_proj):
+                    nn.init.normal_(p, 0.0, std)
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers (after `to_empty`, e.g. when loading a checkpoint)."""
+        device = self.lm_head.weight.device
+        inv_freq, _ = rope_inv_freq(self.config, device=device)
+        self.model.rope_inv_freq = inv_freq
+        for m in self.modules():
+            if isinstance(m, Router):
+                m.expert_load.zero_()
+            elif isinstance(m, MLAttention):
+                m.max_logits_H.fill_(-math.inf)
+
+    def set_attention_impl(self, impl: str) -> None:
+        if impl not in ("sdpa", "eager"):
+            raise ValueError(f"attention impl must be 'sdpa' or 'eager', got {impl!r}")
+        for m in self.modules():
+            if isinstance(m, MLAttention):
+                m.attn_impl = impl
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: Tensor,
+        labels: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        document_ids: Tensor | None = None,
+        **unused: Any,
+    ) -> K2CausalLMOutput:
+        """Logits [B, S, N]; with labels, the mean next-token cross-entropy (ignore_index -100).
+
+        `attention_mask` [B, S]: 1 = token, 0 = padding. `document_ids` [B, S]: packed sequences
+        attend only within their document (pass position_ids that restart per document too).
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        h_BSD = self.model(input_ids, position_ids, attention_mask, document_ids)
+        logits_BSN = self.lm_head(h_BSD)
+        loss = None
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+            # shift: position t predicts labels[t + 1]
+            shift_BS = F.pad(labels, (0, 1), value=-100)[:, 1:]
+            loss = F.cross_entropy(
+                logits_BSN.float().reshape(-1, logits_BSN.shape[-1]), shift_BS.reshape(-1), ignore_index=-100
+            )
+        return K2CausalLMOutput(logits=logits_BSN, loss=loss)
+
+    # ------------------------------------------------------------------ aux-loss-free balancing
+    def moe_routers(self) -> list[Router]:
+        return [m.gate for m in self.modules() if isinstance(m, MoE)]
+
+    def expert_load(self) -> Tensor:
+        """[num_moe_layers, E] tokens routed per expert since the last `update_expert_bias` (this rank)."""
+        routers = self.moe_routers()
+        if not routers:
+            return torch.zeros(0, self.config.n_routed_experts)
+        return torch.stack([r.expert_load for r in routers])
+
+    @torch.no_grad()
+    def update_expert_bias(self, step_size: float = 1e-3) -> Tensor:
+        """Aux-loss-free balancing step; call once after each optimizer step.
+
+        Sums the recorded token counts over data-parallel ranks (all-reduce when torch.distributed
+        is initialised), moves each layer's bias by `step_size * sign(mean_load - load)` (toward
+        under-loaded experts), resets the counts, and returns the global loads [layers, E].
+        """
+        routers = self.moe_routers()
+        if not routers:
+            return torch.zeros(0, self.config.n_routed_experts)
+        load_LE = torch.stack([r.expert_load for r in routers])
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(load_LE)
+        delta_LE = step_size * torch.sign(load_LE.mean(dim=-1, keepdim=True) - load_LE)
+        for i, r in enumerate(routers):
+            r.e_score_correction_bias += delta_LE[i].to(r.e_score_correction_bias.device)
+            r.expert_load.zero_()
+        return load_LE
+
+    # ------------------------------------------------------------------ QK-Clip protocol
+    def _attentions(self) -> list[MLAttention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def attention_max_logits(self) -> Tensor:
+        """float32 [num_layers, num_heads]: max pre-softmax logit per head over training forwards
+        since the last reset (-inf where no training forward ran)."""
+        return torch.stack([a.max_logits_H.float() for a in self._attentions()])
+
+    def reset_attention_max_logits(self) -> None:
+        for a in self._attentions():
+            a.max_logits_H.fill_(-math.inf)
+
+    def qk_clip_layers(self) -> list[dict[str, Any]]:
+        """Which rows of which weights belong to each head (see the QK-Clip protocol in k2-optim)."""
+        cfg = self.config
+        P, R, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        out = []
+        for i, a in enumerate(self._attentions()):
+            q_w = a.q_proj.weight if cfg.q_lora_rank is None else a.q_b_proj.weight
+            out.append(
+                {
+                    "name": f"model.layers.{i}.self_attn",
+                    "num_heads": a.num_heads,
+                    "spans": [
+                        {"param": q_w, "stride": P + R, "start": 0, "length": P, "power": 0.5},
+                        {"param": q_w, "stride": P + R, "start": P, "length": R, "power": 1.0},
+                        {"param": a.kv_b_proj.weight, "stride": P + V, "start": 0, "length": P, "power": 0.5},
+                    ],
+                }
+            )
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    @classmethod
+    def from_pretrained(
+        cls, path: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    ) -> K2ForCausalLM:
+        """Load an HF-format directory (config.json + safetensors, FP8 block weights dequantised)."""
+        from k2_model.checkpoint import load_pretrained
+
+        return load_pretrained(cls, path, dtype=dtype, device=device)
+
+    def save_pretrained(self, path: str, max_shard_bytes: int = 5 * 2**30) -> None:
+        """Write config.json + (sharded, indexed) safetensors with DeepseekV3ForCausalLM names."""
+        from k2_model.checkpoint import save_pretrained
+
+        save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

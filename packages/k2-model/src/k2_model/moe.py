@@ -1,0 +1,122 @@
+"""Fine-grained MoE: sigmoid router with aux-loss-free balancing, stacked experts, one shared expert.
+
+Shape legend: T tokens (batch * sequence), D hidden size, E routed experts, K experts per token,
+I expert intermediate size, N = T * K permuted rows.
+
+Routed experts are stored as three stacked parameters (`gate_proj [E, I, D]`, `up_proj [E, I, D]`,
+`down_proj [E, D, I]`, each expert's slice in nn.Linear's [out, in] layout) and run through
+`torch._grouped_mm` over tokens grouped by expert: no per-expert Python loop. Each stacked tensor is
+one logical matrix per expert, the unit Muon orthogonalises.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from k2_model.config import K2Config
+
+try:  # the compiled ops once k2-kernels ships them; the plain-PyTorch reference until then
+    from k2_kernels import ops as _kops
+except ImportError:  # pragma: no cover - depends on the k2-kernels build
+    from k2_kernels import reference as _kops
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP (dense layers and the shared expert), HF names gate_proj/up_proj/down_proj."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Router logits (fp32) and the aux-loss-free selection bias.
+
+    `e_score_correction_bias` only changes which experts are chosen, never the weights. It and
+    the per-expert token counts `expert_load` are fp32 buffers that stay fp32 when the model is
+    cast to bf16 (a bf16 bias could not move by 1e-3 steps).
+    """
+
+    def __init__(self, config: K2Config) -> None:
+        super().__init__()
+        E = config.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(E, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
+        # Tokens routed to each expert by training-mode forwards since the last bias update.
+        self.register_buffer("expert_load", torch.zeros(E, dtype=torch.float32), persistent=False)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        out = super()._apply(fn, recurse)
+        for name in ("e_score_correction_bias", "expert_load"):
+            buf = getattr(self, name)
+            if buf.dtype != torch.float32:
+                setattr(self, name, buf.float())
+        return out
+
+    def forward(self, x_TD: Tensor) -> Tensor:
+        return F.linear(x_TD.float(), self.weight.float())
+
+
+class RoutedExperts(nn.Module):
+    """E SwiGLU experts as stacked weights, applied with grouped GEMMs."""
+
+    def __init__(self, config: K2Config) -> None:
+        super().__init__()
+        E, D, I = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts = E
+        self.gate_proj = nn.Parameter(torch.empty(E, I, D))
+        self.up_proj = nn.Parameter(torch.empty(E, I, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, I))
+
+    def forward(self, x_ND: Tensor, offsets_E: Tensor) -> Tensor:
+        # gate and up share one grouped GEMM: half the per-expert GEMM launches (on CPU,
+        # _grouped_mm loops over experts internally); the cat of weights is cheap next to it.
+        gate_up_E2ID = torch.cat((self.gate_proj, self.up_proj), dim=1)
+        h_N2I = torch._grouped_mm(x_ND, gate_up_E2ID.transpose(-1, -2), offs=offsets_E)
+        gate_NI, up_NI = h_N2I.chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate_NI) * up_NI, self.down_proj.transpose(-1, -2), offs=offsets_E)
+
+
+class MoE(nn.Module):
+    """K2 / DeepSeek-V3 MoE layer: shared expert + top-k of E routed experts (HF name layout)."""
+
+    def __init__(self, config: K2Config) -> None:
+        super().__init__()
+        self.config = config
+        self.gate = Router(config)
+        self.experts = RoutedExperts(config)
+        self.shared_experts = (
+            MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            if config.n_shared_experts > 0
+            else None
+        )
+
+    def forward(self, x_BSD: Tensor) -> Tensor:
+        cfg = self.config
+        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+        logits_TE = self.gate(x_TD)
+        idx_TK, weight_TK = _kops.moe_route(
+            logits_TE,
+            self.gate.e_score_correction_bias,
+            cfg.num_experts_per_tok,
+            cfg.n_group,
+            cfg.topk_group,
+            float(cfg.routed_scaling_factor),
+            cfg.norm_topk_prob,
+        )
+        x_ND, row_to_slot_N, counts_E, offsets_E = _kops.moe_permute(x_TD, idx_TK, cfg.n_routed_experts)
+        if self.training:
+            self.gate.expert_load += counts_E.to(torch.float32)
+        y_ND = self.experts(x_ND, offsets_E)
+        out_TD = _kops.moe_unpermute(y_ND, row_to_slot_N, weight_TK)
+        out_BSD = out_TD.view_as(x_BSD)
+        if self.shared_experts is not None:
+            out_BSD = out_BSD + self.shared_experts(x_BSD)
+        return out_BSD
