@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from k2_model import K2Config, K2ForCausalLM
 
 transformers = pytest.importorskip("transformers")
@@ -62,7 +61,7 @@ def randomise_hf(model: torch.nn.Module, seed: int) -> None:
     """Weights larger than the init so every path (norms, rope, routing) matters in the logits."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.dim() == 1:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
@@ -92,7 +91,9 @@ def test_theirs_saved_ours_loaded(shape: str, tmp_path) -> None:
         out = ours(ids, labels=labels)
         ours.set_attention_impl("eager")
         out_eager = ours(ids)
-    print(f"{shape} theirs->ours rel err sdpa {rel_err(out.logits, ref.logits):.2e} eager {rel_err(out_eager.logits, ref.logits):.2e}")
+    print(
+        f"{shape} theirs->ours rel err sdpa {rel_err(out.logits, ref.logits):.2e} eager {rel_err(out_eager.logits, ref.logits):.2e}"
+    )
     assert rel_err(out.logits, ref.logits) <= 1e-5
     assert rel_err(out_eager.logits, ref.logits) <= 1e-5
     assert abs(out.loss.item() - ref.loss.item()) <= 1e-5 * abs(ref.loss.item())
@@ -146,5 +147,7 @@ def test_training_gradients_match_transformers(tmp_path) -> None:
         assert rel_err(op[name].grad, tp[name].grad) <= 1e-4, name
     # transformers 5.x fuses gate and up: gate_up_proj [E, 2I, D]
     g_ref = tp["model.layers.2.mlp.experts.gate_up_proj"].grad
-    g_ours = torch.cat([op["model.layers.2.mlp.experts.gate_proj"].grad, op["model.layers.2.mlp.experts.up_proj"].grad], 1)
+    g_ours = torch.cat(
+        [op["model.layers.2.mlp.experts.gate_proj"].grad, op["model.layers.2.mlp.experts.up_proj"].grad], 1
+    )
     assert rel_err(g_ours, g_ref) <= 1e-4

@@ -78,7 +78,9 @@ def save_pretrained(model: K2ForCausalLM, path: str, max_shard_bytes: int = 5 * 
         size += nbytes
         total += nbytes
     n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    names = (
+        ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
     weight_map = {}
     for fname, shard in zip(names, shards):
         tmp = os.path.join(path, f".{fname}.tmp")
@@ -145,7 +147,9 @@ def load_pretrained(
 
 
 @torch.no_grad()
-def load_hf_state_dict(model: K2ForCausalLM, files: dict[str, str], block: tuple[int, int] = (128, 128)) -> None:
+def load_hf_state_dict(
+    model: K2ForCausalLM, files: dict[str, str], block: tuple[int, int] = (128, 128)
+) -> None:
     """Copy tensors named as in HF's DeepseekV3ForCausalLM into `model`, strictly."""
     cfg = model.config
     targets = dict(model.state_dict(keep_vars=True))
@@ -194,7 +198,9 @@ def load_hf_state_dict(model: K2ForCausalLM, files: dict[str, str], block: tuple
                     with safe_open(files[scale_name], framework="pt") as fs:
                         t = dequantize_fp8_blocks(t, fs.get_tensor(scale_name), block)  # type: ignore[arg-type]
                 elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                    raise ValueError(f"FP8 tensor {name} {tuple(t.shape)} has no {scale_name} in the checkpoint")
+                    raise ValueError(
+                        f"FP8 tensor {name} {tuple(t.shape)} has no {scale_name} in the checkpoint"
+                    )
                 dst, j = expected[name]
                 dst_view = dst if j is None else dst[j]
                 if tuple(t.shape) != tuple(dst_view.shape):

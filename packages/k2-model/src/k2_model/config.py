@@ -19,7 +19,14 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
 
 # Keys of a rope dict that describe YaRN; anything else in it is kept but not interpreted.
-_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+_YARN_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+)
 
 
 @dataclass
@@ -138,7 +145,9 @@ class K2Config:
                 f"n_routed_experts ({self.n_routed_experts})"
             )
         if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
-            raise ValueError("K2Config.n_group: each expert group needs at least 2 experts (top-2 group score)")
+            raise ValueError(
+                "K2Config.n_group: each expert group needs at least 2 experts (top-2 group score)"
+            )
         if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
             raise ValueError(
                 f"K2Config.num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts in "
@@ -151,15 +160,21 @@ class K2Config:
         if self.hidden_act != "silu":
             raise ValueError(f"K2Config.hidden_act must be 'silu', got {self.hidden_act!r}")
         if not (isinstance(self.routed_scaling_factor, (int, float)) and self.routed_scaling_factor > 0):
-            raise ValueError(f"K2Config.routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}")
+            raise ValueError(
+                f"K2Config.routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}"
+            )
         if not (isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps > 0):
             raise ValueError(f"K2Config.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
         if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
             raise ValueError(f"K2Config.rope_theta must be > 0, got {self.rope_theta!r}")
         if self.tie_word_embeddings:
-            raise ValueError("K2Config.tie_word_embeddings must be False (K2 and DeepSeek-V3 use an untied head)")
+            raise ValueError(
+                "K2Config.tie_word_embeddings must be False (K2 and DeepSeek-V3 use an untied head)"
+            )
         if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"K2Config.model_type must be one of {SUPPORTED_MODEL_TYPES}, got {self.model_type!r}")
+            raise ValueError(
+                f"K2Config.model_type must be one of {SUPPORTED_MODEL_TYPES}, got {self.model_type!r}"
+            )
 
     # ------------------------------------------------------------------ HF interop
     @classmethod
@@ -219,7 +234,9 @@ class K2Config:
         model_type is written as `deepseek_v3` so stock transformers loads it without remote code;
         the K2-specific facts are all in the standard fields (n_group=1, routed_scaling_factor...).
         """
-        d: dict[str, Any] = {k: v for k, v in self.extra.items() if k not in ("auto_map", "quantization_config")}
+        d: dict[str, Any] = {
+            k: v for k, v in self.extra.items() if k not in ("auto_map", "quantization_config")
+        }
         for f in dataclasses.fields(self):
             if f.name != "extra":
                 d[f.name] = copy.deepcopy(getattr(self, f.name))
@@ -231,7 +248,11 @@ class K2Config:
             rs = {k: v for k, v in self.rope_scaling.items() if k != "type"}
             rope_parameters = {"rope_type": self.rope_scaling["type"], "rope_theta": self.rope_theta, **rs}
             # 4.x form too ("type" and "rope_type"), so older readers find it
-            d["rope_scaling"] = {"type": self.rope_scaling["type"], "rope_type": self.rope_scaling["type"], **rs}
+            d["rope_scaling"] = {
+                "type": self.rope_scaling["type"],
+                "rope_type": self.rope_scaling["type"],
+                **rs,
+            }
         d["rope_parameters"] = rope_parameters
         return d
 

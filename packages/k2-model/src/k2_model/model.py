@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from k2_model.config import K2Config
-from k2_model.moe import MLP, MoE, Router, RoutedExperts
+from k2_model.moe import MLP, MoE, RoutedExperts, Router
 from k2_model.rope import apply_rope_interleaved, rope_cos_sin, rope_inv_freq
 
 
@@ -129,7 +129,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = MLAttention(config, layer_idx)
         self.mlp: nn.Module = (
-            MoE(config) if config.is_moe_layer(layer_idx) else MLP(config.hidden_size, config.intermediate_size)
+            MoE(config)
+            if config.is_moe_layer(layer_idx)
+            else MLP(config.hidden_size, config.intermediate_size)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -279,7 +281,9 @@ class K2ForCausalLM(nn.Module):
         loss = None
         if labels is not None:
             if labels.shape != input_ids.shape:
-                raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+                raise ValueError(
+                    f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}"
+                )
             # shift: position t predicts labels[t + 1]
             shift_BS = F.pad(labels, (0, 1), value=-100)[:, 1:]
             loss = F.cross_entropy(

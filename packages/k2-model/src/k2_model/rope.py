@@ -59,7 +59,9 @@ def rope_inv_freq(config: K2Config, device: torch.device | str | None = None) ->
     return inv_freq_R2, float(attention_factor)
 
 
-def rope_cos_sin(inv_freq_R2: Tensor, position_ids_BS: Tensor, attention_factor: float) -> tuple[Tensor, Tensor]:
+def rope_cos_sin(
+    inv_freq_R2: Tensor, position_ids_BS: Tensor, attention_factor: float
+) -> tuple[Tensor, Tensor]:
     """cos, sin [B, S, R2] in fp32 for the given positions."""
     freqs_BSR2 = position_ids_BS.to(torch.float32).unsqueeze(-1) * inv_freq_R2
     return freqs_BSR2.cos() * attention_factor, freqs_BSR2.sin() * attention_factor
