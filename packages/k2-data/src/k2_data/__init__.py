@@ -1,3 +1,40 @@
-"""k2-data."""
+"""k2-data: Arrow-based data for K2 — tokenizers, tokenized shards, packing and a stateful loader.
+
+    from k2_data import load_tokenizer, tokenize_corpus, PackedDataset, StatefulLoader
+"""
 
 __version__ = "0.1.0"
+
+from k2_data.corpus import default_corpus_files  # noqa: E402
+from k2_data.ingest import BadRecordError, TokenizeConfig, ensure_tokenized, load_manifest, tokenize_corpus  # noqa: E402
+from k2_data.packing import IGNORE_INDEX, PackedDataset  # noqa: E402
+from k2_data.special_tokens import NUM_RESERVED_SPECIAL_TOKENS, special_token_table  # noqa: E402
+from k2_data.tokenizer import BPETokenizer, KimiTokenizer, Tokenizer, load_tokenizer  # noqa: E402
+
+
+def __getattr__(name: str):
+    # the loader pulls in torch; keep `import k2_data` light for tokenizer-only users
+    if name == "StatefulLoader":
+        from k2_data.loader import StatefulLoader
+
+        return StatefulLoader
+    raise AttributeError(f"module 'k2_data' has no attribute {name!r}")
+
+
+__all__ = [
+    "BPETokenizer",
+    "BadRecordError",
+    "IGNORE_INDEX",
+    "KimiTokenizer",
+    "NUM_RESERVED_SPECIAL_TOKENS",
+    "PackedDataset",
+    "StatefulLoader",
+    "TokenizeConfig",
+    "Tokenizer",
+    "default_corpus_files",
+    "ensure_tokenized",
+    "load_manifest",
+    "load_tokenizer",
+    "special_token_table",
+    "tokenize_corpus",
+]

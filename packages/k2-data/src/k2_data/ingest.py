@@ -1,0 +1,496 @@
+"""Tokenize text corpora into Arrow/Parquet shards plus a `manifest.json`.
+
+Inputs: text files (one document each), JSONL (one record per line), Parquet and Arrow IPC files
+(file or stream format, as HF `datasets` writes them) with a configurable text field.
+
+The run is planned first: inputs are cut into shard tasks of about `shard_bytes` of text, each
+with the first document id it owns, so shard contents and doc ids do not depend on the number of
+worker processes. Each shard is written to a temporary name and renamed; its row/token counts and
+skipped records ride in the file's schema metadata, so a rerun skips completed shards and still
+reports everything. Bad records (invalid JSON, missing or non-string text, undecodable bytes) are
+reported with file and line (or row) and either skipped (`on_error="skip"`) or fail the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from k2_data import __version__
+from k2_data.corpus import default_corpus_files, expand_inputs, file_kind
+from k2_data.tokenizer import Tokenizer, load_tokenizer
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+PLAN = ".k2-plan.json"
+TOKENIZER_SUBDIR = "tokenizer"
+SHARD_SCHEMA = pa.schema(
+    [
+        pa.field("input_ids", pa.list_(pa.int32())),  # K2's vocabulary needs more than 16 bits
+        pa.field("doc_id", pa.int64()),
+        pa.field("source", pa.string()),
+    ]
+)
+_META_KEY = b"k2_data.shard"
+
+
+class BadRecordError(ValueError):
+    """A record that cannot be tokenized; names the file and the line (or row)."""
+
+    def __init__(self, path: str, where: str, reason: str):
+        super().__init__(f"{path}:{where}: {reason}")
+        self.record = {"file": path, "where": where, "reason": reason}
+
+
+@dataclass
+class TokenizeConfig:
+    text_field: str = "text"
+    format: str = "arrow"  # "arrow" (IPC file, memory-mappable) or "parquet"
+    shard_bytes: int = 16 << 20  # text bytes per shard, about
+    workers: int = 1
+    on_error: str = "fail"  # "fail" or "skip" (skipped records are listed in the manifest)
+    batch_docs: int = 512  # documents per encode_batch call
+
+    def validate(self) -> None:
+        if self.format not in ("arrow", "parquet"):
+            raise ValueError(f"format must be 'arrow' or 'parquet', got {self.format!r}")
+        if self.on_error not in ("fail", "skip"):
+            raise ValueError(f"on_error must be 'fail' or 'skip', got {self.on_error!r}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.shard_bytes < 1:
+            raise ValueError(f"shard_bytes must be >= 1, got {self.shard_bytes}")
+
+
+@dataclass
+class Unit:
+    """A slice of one input file: all of a text file, a byte range of JSONL, a row range of a table."""
+
+    path: str
+    kind: str
+    start: int = 0  # byte offset (jsonl) or row (tables)
+    stop: int = 0
+    first_line: int = 1  # jsonl: line number of `start`
+    n_docs: int = 1
+    nbytes: int = 0
+
+
+@dataclass
+class ShardTask:
+    index: int
+    first_doc_id: int
+    units: list[Unit] = field(default_factory=list)
+
+    @property
+    def n_docs(self) -> int:
+        return sum(u.n_docs for u in self.units)
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def _jsonl_units(path: Path, shard_bytes: int) -> list[Unit]:
+    units: list[Unit] = []
+    start, line_no, first_line, n, pos = 0, 1, 1, 0, 0
+    with open(path, "rb") as f:
+        for raw in f:
+            pos += len(raw)
+            n += 1
+            line_no += 1
+            if pos - start >= shard_bytes:
+                units.append(Unit(str(path), "jsonl", start, pos, first_line, n, pos - start))
+                start, first_line, n = pos, line_no, 0
+    if n:
+        units.append(Unit(str(path), "jsonl", start, pos, first_line, n, pos - start))
+    return units
+
+
+def _open_arrow(path: Path) -> pa.Table:
+    source = pa.memory_map(str(path), "r")
+    try:
+        return pa.ipc.open_file(source).read_all()
+    except pa.ArrowInvalid:
+        source.seek(0)
+        try:
+            return pa.ipc.open_stream(source).read_all()
+        except pa.ArrowInvalid as e:
+            raise ValueError(f"{path}: not an Arrow IPC file or stream ({e})") from e
+
+
+def _table_units(path: Path, kind: str, shard_bytes: int) -> list[Unit]:
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.ParquetFile(str(path)).metadata.num_rows
+        except Exception as e:
+            raise ValueError(f"{path}: not a Parquet file ({e})") from e
+    else:
+        rows = _open_arrow(path).num_rows
+    size = path.stat().st_size
+    rows_per_unit = max(1, int(rows * shard_bytes / max(size, 1)))
+    return [
+        Unit(str(path), kind, r, min(r + rows_per_unit, rows), 0, min(r + rows_per_unit, rows) - r,
+             size * (min(r + rows_per_unit, rows) - r) // max(rows, 1))
+        for r in range(0, rows, rows_per_unit)
+    ]
+
+
+def plan_shards(files: list[Path], shard_bytes: int) -> list[ShardTask]:
+    """Cut the inputs into shard tasks of about `shard_bytes`; deterministic for given inputs."""
+    units: list[Unit] = []
+    for path in files:
+        kind = file_kind(path)
+        if kind == "text":
+            units.append(Unit(str(path), "text", 0, 0, 1, 1, path.stat().st_size))
+        elif kind == "jsonl":
+            units.extend(_jsonl_units(path, shard_bytes))
+        else:
+            units.extend(_table_units(path, kind, shard_bytes))
+    tasks: list[ShardTask] = []
+    doc_id = 0
+    current = ShardTask(0, 0)
+    size = 0
+    for unit in units:
+        current.units.append(unit)
+        size += unit.nbytes
+        if size >= shard_bytes:
+            tasks.append(current)
+            doc_id += current.n_docs
+            current, size = ShardTask(len(tasks), doc_id), 0
+    if current.units:
+        tasks.append(current)
+    return tasks
+
+
+# ----------------------------------------------------------------------------- reading records
+
+# A record: (doc_id offset within the task, source label, text or a BadRecordError).
+Record = tuple[int, str, "str | BadRecordError"]
+
+
+def _read_unit(unit: Unit, text_field: str) -> Iterator[tuple[str, str | BadRecordError]]:
+    path = unit.path
+    if unit.kind == "text":
+        data = Path(path).read_bytes()
+        try:
+            yield path, data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            yield path, BadRecordError(path, f"{line}", f"not valid UTF-8 (byte {e.start})")
+    elif unit.kind == "jsonl":
+        with open(path, "rb") as f:
+            f.seek(unit.start)
+            chunk = f.read(unit.stop - unit.start)
+        for i, raw in enumerate(chunk.splitlines()):
+            line = unit.first_line + i
+            where = f"{line}"
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                yield f"{path}:{line}", BadRecordError(path, where, f"invalid JSON ({e})")
+                continue
+            if not isinstance(obj, dict) or text_field not in obj:
+                yield f"{path}:{line}", BadRecordError(path, where, f"no field {text_field!r} in the record")
+            elif not isinstance(obj[text_field], str):
+                kind = type(obj[text_field]).__name__
+                yield f"{path}:{line}", BadRecordError(path, where, f"field {text_field!r} is {kind}, expected a string")
+            else:
+                yield f"{path}:{line}", obj[text_field]
+    else:
+        if unit.kind == "parquet":
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path)
+        else:
+            table = _open_arrow(Path(path))
+        if text_field not in table.column_names:
+            raise ValueError(f"{path}: no column {text_field!r} (columns: {', '.join(table.column_names)}); set --text-field")
+        column = table.column(text_field).slice(unit.start, unit.stop - unit.start)
+        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+            raise ValueError(f"{path}: column {text_field!r} has type {column.type}, expected string")
+        for i, value in enumerate(column.to_pylist()):
+            row = unit.start + i
+            if value is None:
+                yield f"{path}#{row}", BadRecordError(path, f"row {row}", f"field {text_field!r} is null")
+            else:
+                yield f"{path}#{row}", value
+
+
+# ----------------------------------------------------------------------------- writing shards
+
+
+def _shard_name(index: int, fmt: str) -> str:
+    return f"shard-{index:05d}.{'arrow' if fmt == 'arrow' else 'parquet'}"
+
+
+def _build_table(ids: list[list[int]], doc_ids: list[int], sources: list[str]) -> pa.Table:
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    total = int(lengths.sum())
+    if total >= 2**31:
+        raise ValueError(f"a shard holds {total} tokens, more than list<int32> offsets allow; lower shard_bytes")
+    offsets = np.zeros(len(ids) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=total)
+    input_ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+    return pa.Table.from_arrays(
+        [input_ids, pa.array(doc_ids, pa.int64()), pa.array(sources, pa.string())], schema=SHARD_SCHEMA
+    )
+
+
+def _write_shard(table: pa.Table, path: Path, fmt: str, meta: dict) -> None:
+    table = table.replace_schema_metadata({_META_KEY: json.dumps(meta).encode()})
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        if fmt == "arrow":
+            with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+                writer.write_table(table, max_chunksize=64 << 10)
+        else:
+            import pyarrow.parquet as pq
+
+            pq.write_table(table, tmp, compression="zstd")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_shard_meta(path: str | Path) -> dict | None:
+    """The row/token counts a completed shard carries, or None if it is unreadable (then redone)."""
+    path = Path(path)
+    try:
+        if path.suffix == ".arrow":
+            with pa.memory_map(str(path), "r") as source:
+                schema = pa.ipc.open_file(source).schema
+        else:
+            import pyarrow.parquet as pq
+
+            schema = pq.read_schema(str(path))
+    except (pa.ArrowInvalid, OSError):
+        return None
+    raw = (schema.metadata or {}).get(_META_KEY)
+    return json.loads(raw) if raw else None
+
+
+_WORKER_TOKENIZER: dict[str, Tokenizer] = {}
+
+
+def _worker_init() -> None:
+    # One process per core already; nested rayon threads would only oversubscribe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["RAYON_NUM_THREADS"] = "1"
+
+
+def _get_tokenizer(path: str) -> Tokenizer:
+    if path not in _WORKER_TOKENIZER:
+        _WORKER_TOKENIZER[path] = load_tokenizer(path)
+    return _WORKER_TOKENIZER[path]
+
+
+def tokenize_shard(task: ShardTask, tokenizer_path: str, out_dir: str, config: TokenizeConfig) -> dict:
+    """Tokenize one planned shard and write it; returns its manifest entry."""
+    tok = _get_tokenizer(tokenizer_path)
+    ids: list[list[int]] = []
+    doc_ids: list[int] = []
+    sources: list[str] = []
+    skipped: list[dict] = []
+    pending_text: list[str] = []
+    doc_id = task.first_doc_id
+    for unit in task.units:
+        for source, text in _read_unit(unit, config.text_field):
+            if isinstance(text, BadRecordError):
+                if config.on_error == "fail":
+                    raise text
+                skipped.append(text.record)
+            else:
+                pending_text.append(text)
+                doc_ids.append(doc_id)
+                sources.append(source)
+                if len(pending_text) >= config.batch_docs:
+                    ids.extend(tok.encode_batch(pending_text))
+                    pending_text.clear()
+            doc_id += 1
+    if pending_text:
+        ids.extend(tok.encode_batch(pending_text))
+    table = _build_table(ids, doc_ids, sources)
+    tokens = int(sum(len(x) for x in ids))
+    name = _shard_name(task.index, config.format)
+    meta = {"index": task.index, "file": name, "rows": table.num_rows, "tokens": tokens,
+            "first_doc_id": task.first_doc_id, "skipped": skipped}
+    _write_shard(table, Path(out_dir) / name, config.format, meta)
+    return meta
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _plan_fingerprint(tasks: list[ShardTask], tokenizer: Tokenizer, config: TokenizeConfig) -> str:
+    h = hashlib.sha256()
+    h.update(tokenizer.fingerprint().encode())
+    h.update(json.dumps([config.text_field, config.format, config.shard_bytes]).encode())
+    for task in tasks:
+        for u in task.units:
+            st = os.stat(u.path)
+            h.update(json.dumps([task.index, u.path, u.start, u.stop, st.st_size, st.st_mtime_ns]).encode())
+    return h.hexdigest()
+
+
+def _atomic_json(path: Path, obj: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def tokenize_corpus(
+    inputs: list[str | Path] | None,
+    out_dir: str | Path,
+    tokenizer: str | Path | None = None,
+    config: TokenizeConfig | None = None,
+    progress: Callable[[int, int, dict], None] | None = None,
+) -> dict:
+    """Tokenize `inputs` (files/directories; None = the default corpus) into `out_dir`.
+
+    Returns the manifest. Completed shards of an earlier run with the same plan are kept.
+    `progress(done, total, shard_meta)` is called after each shard.
+    """
+    config = config or TokenizeConfig()
+    config.validate()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(tokenizer)
+    files = default_corpus_files() if inputs is None else expand_inputs(inputs)
+    files = [f for f in files if not _is_inside(f, out)]
+    tasks = plan_shards(files, config.shard_bytes)
+    plan_sha = _plan_fingerprint(tasks, tok, config)
+
+    plan_path = out / PLAN
+    if plan_path.exists():
+        previous = json.loads(plan_path.read_text())
+        if previous.get("plan_sha256") != plan_sha:
+            raise ValueError(
+                f"{out} holds shards of a different run (other inputs, tokenizer or settings); "
+                "use a new --out directory or delete it"
+            )
+    else:
+        _atomic_json(plan_path, {"plan_sha256": plan_sha, "shards": len(tasks)})
+    tok.save(out / TOKENIZER_SUBDIR)
+
+    t0 = time.perf_counter()
+    results: dict[int, dict] = {}
+    todo: list[ShardTask] = []
+    for task in tasks:
+        meta = read_shard_meta(out / _shard_name(task.index, config.format))
+        if meta is not None and meta.get("rows") is not None:
+            results[task.index] = meta | {"resumed": True}
+        else:
+            todo.append(task)
+    tok_path = str(tokenizer) if tokenizer is not None else str(_default_path())
+    done = len(results)
+    if config.workers == 1 or len(todo) <= 1:
+        for task in todo:
+            meta = tokenize_shard(task, tok_path, str(out), config)
+            results[task.index] = meta
+            done += 1
+            if progress:
+                progress(done, len(tasks), meta)
+    else:
+        ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+        with ProcessPoolExecutor(config.workers, mp_context=ctx, initializer=_worker_init) as pool:
+            futures = [pool.submit(tokenize_shard, task, tok_path, str(out), config) for task in todo]
+            try:
+                for fut in futures:
+                    meta = fut.result()
+                    results[meta["index"]] = meta
+                    done += 1
+                    if progress:
+                        progress(done, len(tasks), meta)
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+    elapsed = time.perf_counter() - t0
+
+    shards = [results[t.index] for t in tasks]
+    skipped = [rec for s in shards for rec in s.get("skipped", [])]
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "created_by": f"k2-data {__version__}",
+        "format": config.format,
+        "schema": {f.name: str(f.type) for f in SHARD_SCHEMA},
+        "tokenizer": tok.identity() | {"path": TOKENIZER_SUBDIR},
+        "text_field": config.text_field,
+        "inputs": [str(p) for p in inputs] if inputs is not None else ["<default corpus: python stdlib>"],
+        "plan_sha256": plan_sha,
+        "num_docs": sum(s["rows"] for s in shards),
+        "num_tokens": sum(s["tokens"] for s in shards),
+        "num_skipped": len(skipped),
+        "skipped": skipped,
+        "shards": [{k: s[k] for k in ("file", "rows", "tokens", "first_doc_id")} for s in shards],
+        "seconds": round(elapsed, 3),
+        "resumed_shards": sum(1 for s in shards if s.get("resumed")),
+    }
+    _atomic_json(out / MANIFEST, manifest)
+    return manifest
+
+
+def _default_path() -> Path:
+    from k2_data.tokenizer import default_tokenizer_path
+
+    return default_tokenizer_path()
+
+
+def _is_inside(path: Path, directory: Path) -> bool:
+    try:
+        path.resolve().relative_to(directory.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def load_manifest(directory: str | Path) -> dict:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: not a tokenized dataset (run `k2 data tokenize` first)")
+    manifest = json.loads(path.read_text())
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"{path}: schema_version {manifest.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+    return manifest
+
+
+
+
+def ensure_tokenized(
+    source: str | Path | None,
+    cache_dir: str | Path,
+    tokenizer: str | Path | None = None,
+    config: TokenizeConfig | None = None,
+) -> Path:
+    """A tokenized dataset directory for `source`, for training entry points.
+
+    `source` may be a tokenized directory (has manifest.json; returned as is), a corpus file or
+    directory, or None for the default corpus; the latter two are tokenized into `cache_dir`
+    (resumable, so a second call with the same inputs only re-reads the manifest).
+    """
+    if source is not None and (Path(source) / MANIFEST).is_file():
+        return Path(source)
+    tokenize_corpus(None if source is None else [source], cache_dir, tokenizer=tokenizer, config=config)
+    return Path(cache_dir)
+
+
+__all__ = ["TokenizeConfig", "BadRecordError", "tokenize_corpus", "ensure_tokenized", "load_manifest", "plan_shards"]

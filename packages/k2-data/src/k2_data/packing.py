@@ -1,0 +1,204 @@
+"""Pack tokenized documents into fixed-length training sequences.
+
+Legend: S = seq_len, N = number of documents, T = tokens in the corpus.
+
+Every epoch, documents are put in a seeded random order and concatenated with EOS after each
+one; the stream is cut into windows of S + 1 tokens at stride S (inputs = window[:-1], labels =
+window[1:]), so every token of the epoch is a label exactly once. The windows of an epoch are
+then visited in a second seeded order. Sample `g` of the infinite sequence is window
+`order_e[g mod n]` of epoch `e = g // n`, a pure function of (corpus, S, seed, split, g): this is
+what lets the loader resume at exactly the next sample and be independent of worker counts.
+
+With `document_mask=True`, each sample also carries `position_ids` that restart at 0 where a
+document starts and `doc_ids` (segment numbers inside the sample, for a same-document attention
+mask), and the label of each EOS that is followed by another document is ignored (-100): across
+the boundary there is nothing to predict from the masked context.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from k2_data.ingest import MANIFEST, TOKENIZER_SUBDIR, load_manifest
+
+IGNORE_INDEX = -100
+
+
+def _splitmix64(x_N: np.ndarray) -> np.ndarray:
+    """A fixed integer hash (splitmix64) used to assign documents to train/validation."""
+    with np.errstate(over="ignore"):
+        z = x_N.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def load_token_arrays(directory: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
+    """All documents of a tokenized dataset: (tokens_T int32, offsets_N+1 int64, doc_ids_N, manifest)."""
+    directory = Path(directory)
+    manifest = load_manifest(directory)
+    values, lengths, doc_ids = [], [], []
+    for shard in manifest["shards"]:
+        path = directory / shard["file"]
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} listed in {directory / MANIFEST} is missing")
+        if manifest["format"] == "arrow":
+            with pa.memory_map(str(path), "r") as source:
+                table = pa.ipc.open_file(source).read_all()
+        else:
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(str(path), columns=["input_ids", "doc_id"])
+        if table.num_rows != shard["rows"]:
+            raise ValueError(f"{path}: {table.num_rows} rows, manifest says {shard['rows']}")
+        for chunk in table.column("input_ids").chunks:
+            offsets = chunk.offsets.to_numpy()
+            values.append(chunk.values.to_numpy()[offsets[0] : offsets[-1]].astype(np.int32, copy=True))
+            lengths.append(np.diff(offsets).astype(np.int64))
+        doc_ids.append(table.column("doc_id").to_numpy())
+    tokens_T = np.concatenate(values) if values else np.zeros(0, np.int32)
+    lengths_N = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    offsets_N1 = np.zeros(len(lengths_N) + 1, np.int64)
+    np.cumsum(lengths_N, out=offsets_N1[1:])
+    if int(offsets_N1[-1]) != manifest["num_tokens"]:
+        raise ValueError(f"{directory}: {offsets_N1[-1]} tokens in shards, manifest says {manifest['num_tokens']}")
+    return tokens_T, offsets_N1, np.concatenate(doc_ids) if doc_ids else np.zeros(0, np.int64), manifest
+
+
+@dataclass
+class _Epoch:
+    doc_order_N: np.ndarray  # documents in stream order
+    stream_starts_N1: np.ndarray  # where each document (plus its EOS) starts in the stream
+    window_order: np.ndarray  # visiting order of the windows
+
+
+class PackedDataset:
+    """Fixed-length samples from a tokenized dataset directory (one written by `k2 data tokenize`).
+
+    `split="train"|"val"` holds out about `val_fraction` of the documents, chosen by a fixed hash
+    of their doc_id (independent of `seed`). `len()` is the number of samples per epoch; indices
+    beyond it continue into the next epoch, so `dataset[g]` is defined for every g >= 0.
+    """
+
+    def __init__(
+        self,
+        source: str | Path,
+        seq_len: int,
+        seed: int = 0,
+        split: str = "train",
+        val_fraction: float = 0.0,
+        document_mask: bool = False,
+        shuffle: bool = True,
+        eos_id: int | None = None,
+    ):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if split not in ("train", "val", "all"):
+            raise ValueError(f"split must be 'train', 'val' or 'all', got {split!r}")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        self.source = Path(source)
+        self.seq_len, self.seed, self.split = seq_len, seed, split
+        self.val_fraction, self.document_mask, self.shuffle = val_fraction, document_mask, shuffle
+        tokens_T, offsets_N1, doc_ids_N, manifest = load_token_arrays(self.source)
+        self.manifest = manifest
+        self.eos_id = int(manifest["tokenizer"]["eos_id"] if eos_id is None else eos_id)
+        self.vocab_size = int(manifest["tokenizer"]["vocab_size"])
+
+        in_val_N = (_splitmix64(doc_ids_N) % np.uint64(1_000_000)) < np.uint64(int(round(val_fraction * 1_000_000)))
+        keep_N = {"train": ~in_val_N, "val": in_val_N, "all": np.ones_like(in_val_N)}[split]
+        self._tokens_T = tokens_T
+        self._doc_start_N = offsets_N1[:-1][keep_N]
+        self._doc_len_N = np.diff(offsets_N1)[keep_N]
+        self.doc_ids = doc_ids_N[keep_N]
+        self.num_docs = int(keep_N.sum())
+        self.num_stream_tokens = int(self._doc_len_N.sum()) + self.num_docs  # + one EOS per document
+        self._len = max(0, (self.num_stream_tokens - 1) // seq_len)
+        if self._len == 0:
+            raise ValueError(
+                f"{self.source}: split {split!r} has {self.num_stream_tokens} tokens (with EOS), "
+                f"too few for one sample of seq_len={seq_len}"
+            )
+        self._epochs: dict[int, _Epoch] = {}
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.source / TOKENIZER_SUBDIR
+
+    def fingerprint(self) -> str:
+        """Identifies the sample sequence: a loader state is only valid for an equal fingerprint."""
+        key = [self.manifest["plan_sha256"], self.seq_len, self.seed, self.split, self.val_fraction,
+               self.document_mask, self.shuffle, self.eos_id]
+        return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+
+    def _epoch(self, e: int) -> _Epoch:
+        if e not in self._epochs:
+            if len(self._epochs) > 2:  # keep the current and next epoch
+                self._epochs.pop(min(self._epochs))
+            if self.shuffle:
+                rng = np.random.default_rng([self.seed, e])
+                doc_order_N = rng.permutation(self.num_docs)
+                window_order = np.random.default_rng([self.seed, e, 1]).permutation(self._len)
+            else:
+                doc_order_N = np.arange(self.num_docs)
+                window_order = np.arange(self._len)
+            starts_N1 = np.zeros(self.num_docs + 1, np.int64)
+            np.cumsum(self._doc_len_N[doc_order_N] + 1, out=starts_N1[1:])
+            self._epochs[e] = _Epoch(doc_order_N, starts_N1, window_order)
+        return self._epochs[e]
+
+    def window(self, g: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sample g's S + 1 stream tokens and the stream position where each token's document starts."""
+        if g < 0:
+            raise IndexError(f"sample index must be >= 0, got {g}")
+        e, k = divmod(g, self._len)
+        ep = self._epoch(e)
+        start = int(ep.window_order[k]) * self.seq_len
+        end = start + self.seq_len + 1
+        tokens = np.empty(self.seq_len + 1, np.int64)
+        seg_start = np.empty(self.seq_len + 1, np.int64)
+        i = int(np.searchsorted(ep.stream_starts_N1, start, side="right")) - 1
+        pos = start
+        while pos < end:
+            d = int(ep.doc_order_N[i])
+            doc_begin = int(ep.stream_starts_N1[i])
+            doc_len = int(self._doc_len_N[d])
+            lo, hi = pos - doc_begin, min(end - doc_begin, doc_len + 1)
+            n_text = max(0, min(hi, doc_len) - lo)
+            a = pos - start
+            if n_text:
+                s0 = int(self._doc_start_N[d]) + lo
+                tokens[a : a + n_text] = self._tokens_T[s0 : s0 + n_text]
+            if hi == doc_len + 1:
+                tokens[a + n_text] = self.eos_id
+            seg_start[a : a + hi - lo] = doc_begin
+            pos += hi - lo
+            i += 1
+        return tokens, seg_start
+
+    def __getitem__(self, g: int) -> dict[str, np.ndarray]:
+        tokens, seg_start = self.window(g)
+        sample = {"input_ids": tokens[:-1], "labels": tokens[1:].copy()}
+        if self.document_mask:
+            seg_S = seg_start[:-1]
+            new_doc_S = np.empty(self.seq_len, bool)
+            new_doc_S[0] = True
+            new_doc_S[1:] = seg_S[1:] != seg_S[:-1]
+            doc_ids_S = np.cumsum(new_doc_S) - 1
+            first_S = np.maximum.accumulate(np.where(new_doc_S, np.arange(self.seq_len), 0))
+            sample["position_ids"] = np.arange(self.seq_len) - first_S
+            sample["doc_ids"] = doc_ids_S
+            # the label of an input token is in another document when the next input starts one
+            crosses_S = np.zeros(self.seq_len, bool)
+            crosses_S[:-1] = new_doc_S[1:]
+            crosses_S[-1] = seg_start[-1] != seg_start[-2]
+            sample["labels"][crosses_S] = IGNORE_INDEX
+        return sample
