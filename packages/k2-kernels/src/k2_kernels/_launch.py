@@ -55,9 +55,12 @@ def run_route(
     if bias_E is not None and bias_E.dtype not in _lib.FLOAT_TAGS:
         return None
     T, E = logits_TE.shape
+    C = _lib.compiled()
+    if backend == "cuda" and (top_k > C.cuda_route_max_k or E > C.cuda_route_max_e):
+        return None
     logits_TE = _rows(logits_TE)
     if bias_E is not None:
-        bias_E = bias_E.contiguous()
+        bias_E = bias_E.to(torch.float32).contiguous()  # tiny; the kernels read fp32 bias
     idx_TK = torch.empty(T, top_k, dtype=torch.int64, device=logits_TE.device)
     weight_TK = torch.empty(T, top_k, dtype=torch.float32, device=logits_TE.device)
     args = (
@@ -76,7 +79,6 @@ def run_route(
         idx_TK.data_ptr(),
         weight_TK.data_ptr(),
     )
-    C = _lib.compiled()
     if backend == "cpu":
         C.moe_route_cpu(*args)
     else:
@@ -92,6 +94,9 @@ def run_permute(
         return None
     T, D = x_TD.shape
     K = topk_idx_TK.shape[1]
+    C = _lib.compiled()
+    if backend == "cuda" and num_experts > C.cuda_permute_max_e:
+        return None
     x_TD = _rows(x_TD)
     topk_idx_TK = topk_idx_TK.contiguous()
     dev = x_TD.device
@@ -114,7 +119,6 @@ def run_permute(
         counts_E.data_ptr(),
         offsets_E.data_ptr(),
     )
-    C = _lib.compiled()
     if backend == "cpu":
         C.moe_permute_cpu(*args)
     else:
@@ -134,9 +138,13 @@ def run_unpermute(y_ND: Tensor, row_to_slot_N: Tensor, topk_weight_TK: Tensor) -
         return None
     T, K = topk_weight_TK.shape
     D = y_ND.shape[1]
+    C = _lib.compiled()
+    if backend == "cuda" and K > C.cuda_unpermute_max_k:
+        return None
     y_ND = _rows(y_ND)
     row_to_slot_N = row_to_slot_N.contiguous()
-    topk_weight_TK = topk_weight_TK.contiguous()
+    # The weights are T*K values: read as fp32 (same values as the reference's .float()).
+    topk_weight_TK = topk_weight_TK.to(torch.float32).contiguous()
     out_TD = torch.empty(T, D, dtype=y_ND.dtype, device=y_ND.device)
     args = (
         y_ND.data_ptr(),
@@ -150,7 +158,6 @@ def run_unpermute(y_ND: Tensor, row_to_slot_N: Tensor, topk_weight_TK: Tensor) -
         D,
         out_TD.data_ptr(),
     )
-    C = _lib.compiled()
     if backend == "cpu":
         C.moe_unpermute_cpu(*args)
     else:
