@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from k2_data.corpus import default_corpus_files
 
 # a handful of real stdlib files: real code, small enough for fast tests
 SMALL_STDLIB = ["abc.py", "bisect.py", "colorsys.py", "keyword.py", "this.py", "json/scanner.py"]
 
 
+@functools.lru_cache(maxsize=1)
+def _stdlib_files() -> tuple[Path, ...]:
+    return tuple(default_corpus_files())
+
+
 def stdlib_texts(names=SMALL_STDLIB) -> dict[str, str]:
-    by_rel = {p.as_posix(): p for p in default_corpus_files()}
+    by_rel = {p.as_posix(): p for p in _stdlib_files()}
     out = {}
     for name in names:
         match = [p for rel, p in by_rel.items() if rel.endswith("/" + name)]
@@ -66,3 +71,20 @@ def mixed_corpus(tmp_path: Path) -> dict:
     return {"dir": root, "docs": docs, "bad": [(str(jl), "3"), (str(jl), "5")],
             "table_docs": {f"{pqf}#0": texts["this.py"], f"{pqf}#1": "x = 1\n", f"{pqf}#2": texts["json/scanner.py"],
                            f"{arf}#0": "import os\nprint(os.getcwd())\n", f"{arf}#1": texts["bisect.py"]}}
+
+
+@pytest.fixture(scope="session")
+def small_dataset(tmp_path_factory) -> Path:
+    """A tokenized dataset of 14 documents of very different lengths (3 to ~3000 tokens)."""
+    root = tmp_path_factory.mktemp("small_corpus")
+    texts = list(stdlib_texts().values())
+    texts += ["x", "", "def f():\n    pass\n", "a b c d e f g", "print('hello')\n" * 20]
+    texts += [t[: len(t) // 3] for t in texts[:3]]
+    with open(root / "docs.jsonl", "w") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t}) + "\n")
+    from k2_data import TokenizeConfig, tokenize_corpus
+
+    out = tmp_path_factory.mktemp("small_tok")
+    tokenize_corpus([root / "docs.jsonl"], out, config=TokenizeConfig(shard_bytes=5000))
+    return out

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from k2_data import KimiTokenizer, load_tokenizer
 from k2_data.tokenizer import KIMI_PAT_STR, MAX_NO_WHITESPACES_CHARS, write_tiktoken_ranks
 from k2_data.train_tokenizer import train_bpe

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from k2_data import load_tokenizer
 from k2_data.special_tokens import NAMED_SPECIAL_OFFSETS, special_token_table
 from k2_data.tokenizer import BPETokenizer, default_tokenizer_path
