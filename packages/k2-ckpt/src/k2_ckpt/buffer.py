@@ -1,0 +1,78 @@
+"""The two-slot transfer buffer the server broadcasts into and its receiver reads from.
+
+CPU: a file in `/dev/shm` mapped shared (`torch.from_file(shared=True)`) by both processes;
+the handle is its path. The server unlinks the file as soon as the receiver has mapped it
+(the mapping outlives the name), and in any case when the update ends.
+CUDA: a device tensor; the handle is its CUDA IPC handle (`torch.multiprocessing` reduction,
+pickled), rebuilt on the receiver's own device index.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import tempfile
+import uuid
+
+import torch
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class SlotBuffer:
+    def __init__(self, slot_bytes: int, num_slots: int, device: torch.device):
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self.device = device
+        total = slot_bytes * num_slots
+        self.path: str | None = None
+        if device.type == "cpu":
+            self.path = os.path.join(SHM_DIR, f"k2ckpt-{os.getpid()}-{uuid.uuid4().hex[:12]}.buf")
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, total)
+            finally:
+                os.close(fd)
+            self.data = torch.from_file(self.path, shared=True, size=total, dtype=torch.uint8)
+        elif device.type == "cuda":
+            self.data = torch.empty(total, dtype=torch.uint8, device=device)
+        else:
+            raise ValueError(f"unsupported device {device} for the transfer buffer (cpu or cuda)")
+
+    def slot(self, i: int, nbytes: int | None = None) -> torch.Tensor:
+        start = i * self.slot_bytes
+        return self.data[start:start + (self.slot_bytes if nbytes is None else nbytes)]
+
+    def handle(self) -> dict:
+        if self.path is not None:
+            return {"kind": "shm", "path": self.path, "nbytes": self.data.numel()}
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        func, args = reduce_tensor(self.data)
+        return {"kind": "cuda_ipc", "pickle": base64.b64encode(pickle.dumps((func, args))).decode()}
+
+    def unlink(self) -> None:
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        self.unlink()
+        self.data = torch.empty(0, dtype=torch.uint8)
+
+
+def open_buffer(handle: dict, device: torch.device | None = None) -> torch.Tensor:
+    """The receiver's view of a `SlotBuffer` from its handle."""
+    kind = handle.get("kind")
+    if kind == "shm":
+        return torch.from_file(handle["path"], shared=True, size=int(handle["nbytes"]), dtype=torch.uint8)
+    if kind == "cuda_ipc":
+        func, args = pickle.loads(base64.b64decode(handle["pickle"]))
+        args = list(args)
+        if device is not None and device.type == "cuda" and device.index is not None:
+            args[6] = device.index  # the sender's index may differ under CUDA_VISIBLE_DEVICES
+        return func(*args)
+    raise ValueError(f"unknown buffer handle kind {kind!r} (expected 'shm' or 'cuda_ipc')")

@@ -1,0 +1,460 @@
+"""The parameter server: one per training rank, pushing registered weights to receivers.
+
+Protocol of one `update` (every rank runs it; see the README for the sequence diagram):
+
+1. gather metas (all ranks), agree on the bucket size (min over ranks), plan buckets;
+2. each receiving rank binds a ZMQ PAIR socket; the addresses are all-gathered and rank 0
+   calls `req_func({device_id: address})` in a thread, which makes the inference side call
+   `update_weights_from_ipc`;
+3. each server sends its receiver the two-slot buffer handle and waits for "ready";
+4. per bucket k: wait until the receiver acked bucket k-2 (its slot is free again), agree
+   that no rank failed (a one-int all-reduce), the owner copies host -> slot k%2,
+   `broadcast` from the owner, then tell the receiver "bucket k is in slot k%2" and move on
+   without waiting: the receiver loads bucket k while bucket k+1 is broadcast;
+5. wait for the last acks, agree, send "commit", wait for "done", agree.
+
+Any failure (a receiver's error reply with its traceback, a receiver that disconnects, a
+wait that passes `timeout_s`, `req_func` raising) makes that rank vote "failed" at the next
+agreement point; every rank then stops, sends its receiver "abort", all-gathers the failure
+reports and raises the same `UpdateError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import zmq
+from pydantic import TypeAdapter
+
+from k2_ckpt.buffer import SlotBuffer
+from k2_ckpt.device import default_device, device_id, free_memory_bytes
+from k2_ckpt.errors import (
+    BadCheckpoint,
+    CheckpointExists,
+    CheckpointNotFound,
+    CkptError,
+    RankFailure,
+    UpdateError,
+)
+from k2_ckpt.host import HostCheckpoint
+from k2_ckpt.planner import ALIGN, plan_buckets
+from k2_ckpt.types import (
+    AbortedReply,
+    AbortMsg,
+    AckReply,
+    Bucket,
+    BucketMsg,
+    BufferMsg,
+    CommitMsg,
+    DoneReply,
+    ErrorReply,
+    TensorMeta,
+    WorkerMsg,
+)
+
+log = logging.getLogger(__name__)
+_WORKER_MSG = TypeAdapter(WorkerMsg)
+
+ReqFunc = Callable[[dict[str, str]], object]
+
+
+@dataclass
+class ServerConfig:
+    max_bucket_bytes: int = 256 << 20  # upper bound per slot
+    memory_fraction: float = 0.25  # of the device's free memory, for both slots together
+    num_slots: int = 2  # 2 = broadcast of bucket k+1 overlaps loading of bucket k
+    timeout_s: float = 60.0  # longest wait on a receiver for any one step
+    abort_timeout_s: float = 2.0  # how long an abort waits for the receiver's reply
+    socket_dir: str = field(default_factory=tempfile.gettempdir)
+
+
+@dataclass
+class UpdateStats:
+    checkpoint: str
+    seconds: float
+    nbytes: int  # bytes broadcast (all ranks' tensors)
+    num_buckets: int
+    bucket_bytes: int
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+class _Failed(Exception):
+    def __init__(self, failure: RankFailure):
+        self.failure = failure
+
+
+class _ReqThread(threading.Thread):
+    def __init__(self, req_func: ReqFunc, mapping: dict[str, str]):
+        super().__init__(name="k2ckpt-req", daemon=True)
+        self.req_func, self.mapping = req_func, mapping
+        self.error: str | None = None
+
+    def run(self) -> None:
+        try:
+            self.req_func(self.mapping)
+        except BaseException:  # noqa: BLE001 - reported to every rank
+            self.error = traceback.format_exc()
+
+
+class _ReceiverLink:
+    """The server's end of the PAIR socket to its receiver, with death detection."""
+
+    def __init__(self, ctx: zmq.Context, address: str, rank: int, timeout_s: float,
+                 alive: Callable[[], None]):
+        self.address, self.rank, self.timeout_s, self.alive = address, rank, timeout_s, alive
+        self.sock = ctx.socket(zmq.PAIR)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(address)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.connected = False
+        self.bucket: int | None = None  # for error reports
+        self.last_acked: int | None = None
+
+    def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+        if self.address.startswith("ipc://"):
+            try:
+                os.unlink(self.address[len("ipc://"):])
+            except OSError:
+                pass
+
+    def _fail(self, kind: str, message: str) -> _Failed:
+        return _Failed(RankFailure(rank=self.rank, kind=kind, message=message, bucket=self.bucket))
+
+    def _check_monitor(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_ACCEPTED:
+                self.connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                last = "none" if self.last_acked is None else str(self.last_acked)
+                raise self._fail("worker_died", f"the receiver disconnected from {self.address} "
+                                 f"(process died or closed its socket); last bucket it acked: {last}")
+
+    def _wait(self, flag: int, what: str, timeout_s: float | None = None) -> None:
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            if self.sock.poll(50, flag):
+                return
+            self._check_monitor()
+            self.alive()
+            if time.monotonic() > deadline:
+                state = "connected" if self.connected else "never connected"
+                raise self._fail("timeout", f"receiver ({state}) did not {what} within "
+                                 f"{self.timeout_s if timeout_s is None else timeout_s:.1f}s")
+
+    def send(self, msg, timeout_s: float | None = None) -> None:
+        self._wait(zmq.POLLOUT, f"accept {msg.op!r}", timeout_s)
+        self.sock.send(msg.model_dump_json().encode(), zmq.NOBLOCK)
+
+    def recv(self, what: str, timeout_s: float | None = None):
+        self._wait(zmq.POLLIN, what, timeout_s)
+        return self._decode(self.sock.recv(zmq.NOBLOCK))
+
+    def try_recv(self):
+        if self.sock.poll(0, zmq.POLLIN):
+            return self._decode(self.sock.recv(zmq.NOBLOCK))
+        self._check_monitor()
+        return None
+
+    def _decode(self, raw: bytes):
+        msg = _WORKER_MSG.validate_json(raw)
+        if isinstance(msg, ErrorReply):
+            raise _Failed(RankFailure(rank=self.rank, kind=msg.kind, message=msg.message,
+                                      bucket=msg.bucket, tensor=msg.tensor, traceback=msg.traceback))
+        return msg
+
+
+class ParameterServer:
+    """Holds this rank's checkpoint shards in host memory and broadcasts them to receivers.
+
+    Needs `torch.distributed` initialised; creates its own process group (gloo on CPU, NCCL on
+    CUDA) over all ranks so it coexists with the trainer's groups. Every method that talks to
+    other ranks (`gather_metas`, `update`) must be called on all ranks in the same order.
+    """
+
+    def __init__(self, *, device: torch.device | str | None = None, config: ServerConfig | None = None,
+                 group: dist.ProcessGroup | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("ParameterServer needs torch.distributed initialised (init_process_group)")
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.device = torch.device(device) if device is not None else default_device(self.rank)
+        self.config = config or ServerConfig()
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.group = group if group is not None else dist.new_group(backend=backend)
+        self.device_id = device_id(self.device, self.rank)
+        self._ckpts: dict[str, HostCheckpoint] = {}
+        self._zmq = zmq.Context()
+        self.last_stats: UpdateStats | None = None
+
+    # ---- registration (local: no collectives) ----
+
+    def register_checkpoint(self, name: str, files: Iterable[str | os.PathLike] | None = None,
+                            named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None
+                            ) -> list[TensorMeta]:
+        """Hold this rank's shard of checkpoint `name`: safetensors `files` and/or `named_tensors`."""
+        if name in self._ckpts:
+            raise CheckpointExists(f"checkpoint {name!r} is already registered on rank {self.rank}; "
+                                   "unregister it first")
+        if files is None and named_tensors is None:
+            raise ValueError("register_checkpoint needs files=... or named_tensors=...")
+        ckpt = HostCheckpoint(name, self.rank)
+        for path in files or ():
+            ckpt.add_safetensors(path)
+        if named_tensors is not None:
+            ckpt.add_named_tensors(named_tensors)
+        self._ckpts[name] = ckpt
+        return list(ckpt.metas)
+
+    def unregister_checkpoint(self, name: str) -> None:
+        if self._ckpts.pop(name, None) is None:
+            raise CheckpointNotFound(f"checkpoint {name!r} is not registered on rank {self.rank}")
+
+    def checkpoints(self) -> list[str]:
+        return sorted(self._ckpts)
+
+    # ---- collectives ----
+
+    def _all_gather(self, obj: object) -> list:
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _agree(self, failed: bool) -> bool:
+        """True when no rank failed; every rank learns the same answer."""
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag.item()) == 0
+
+    def gather_metas(self, name: str) -> list[TensorMeta]:
+        """Every rank's tensor metadata for `name` (collective; raises the same error everywhere)."""
+        ckpt = self._ckpts.get(name)
+        gathered = self._all_gather([m.model_dump() for m in ckpt.metas] if ckpt is not None else None)
+        missing = [r for r, g in enumerate(gathered) if g is None]
+        if missing:
+            raise CheckpointNotFound(f"checkpoint {name!r} is not registered on rank(s) {missing}")
+        metas = [TensorMeta.model_validate(m) for g in gathered for m in g]
+        seen: dict[str, int] = {}
+        for m in metas:
+            if m.name in seen:
+                raise BadCheckpoint(f"tensor {m.name!r} of checkpoint {name!r} is registered on both "
+                                    f"rank {seen[m.name]} and rank {m.owner}")
+            seen[m.name] = m.owner
+        return metas
+
+    def _bucket_bytes(self, metas: list[TensorMeta]) -> int:
+        cfg = self.config
+        local = min(cfg.max_bucket_bytes, int(free_memory_bytes(self.device) * cfg.memory_fraction) // cfg.num_slots)
+        t = torch.tensor([local], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        # never allocate more than the largest owner's aligned total
+        per_owner: dict[int, int] = {}
+        for m in metas:
+            per_owner[m.owner] = per_owner.get(m.owner, 0) + (m.nbytes + ALIGN - 1) // ALIGN * ALIGN
+        need = max(per_owner.values(), default=ALIGN)
+        return max(ALIGN, min(int(t.item()), need) // ALIGN * ALIGN)
+
+    # ---- update ----
+
+    def update(self, name: str, req_func: ReqFunc, ranks: list[int] | None = None, *,
+               timeout_s: float | None = None) -> UpdateStats:
+        """Push checkpoint `name` to the receivers of `ranks` (None: every rank) by broadcast.
+
+        `req_func(mapping)` is called once (on rank 0, in a thread) with {device_id: zmq address}
+        and must make each receiver call `update_weights_from_ipc` with its address.
+        Raises `UpdateError` (the same on every rank) if any receiver fails.
+        """
+        cfg = self.config
+        timeout = cfg.timeout_s if timeout_s is None else timeout_s
+        receivers = set(range(self.world_size)) if ranks is None else set(ranks)
+        bad = sorted(r for r in receivers if not 0 <= r < self.world_size)
+        if bad:
+            raise ValueError(f"ranks={sorted(receivers)}: {bad} outside 0..{self.world_size - 1}")
+        t0 = time.perf_counter()
+        metas = self.gather_metas(name)
+        bucket_bytes = self._bucket_bytes(metas)
+        plan = plan_buckets(metas, bucket_bytes)
+        ckpt = self._ckpts[name]
+        receiving = self.rank in receivers
+
+        buf = SlotBuffer(bucket_bytes, cfg.num_slots, self.device)
+        link: _ReceiverLink | None = None
+        req: _ReqThread | None = None
+        failure: RankFailure | None = None
+
+        def alive() -> None:  # rank 0 also watches its req_func thread
+            if req is not None and req.error is not None:
+                raise _Failed(RankFailure(rank=self.rank, kind="req_func", message="req_func raised",
+                                          traceback=req.error))
+
+        try:
+            if receiving:
+                path = os.path.join(cfg.socket_dir, f"k2ckpt-{uuid.uuid4().hex[:12]}-r{self.rank}.sock")
+                link = _ReceiverLink(self._zmq, f"ipc://{path}", self.rank, timeout, alive)
+            pairs = self._all_gather((self.device_id, link.address if link else None))
+            mapping = {dev: addr for dev, addr in pairs if addr is not None}
+            if self.rank == 0:
+                req = _ReqThread(req_func, mapping)
+                req.start()
+            try:
+                if link is not None:
+                    link.send(BufferMsg(handle=buf.handle(), slot_bytes=bucket_bytes, num_slots=cfg.num_slots,
+                                        checkpoint=name, num_buckets=len(plan)))
+                    link.recv("report ready")
+                    buf.unlink()  # the receiver has it mapped; nothing else needs the name
+            except _Failed as f:
+                failure = f.failure
+            failure, ok = self._run_buckets(plan, ckpt, buf, link, alive, failure)
+            if ok:
+                return self._finish(name, t0, plan, bucket_bytes, metas, req, timeout)
+            self._abort_and_raise(name, link, failure, cfg.abort_timeout_s)
+            raise AssertionError("unreachable")
+        finally:
+            if link is not None:
+                link.close()
+            buf.close()
+
+    def _run_buckets(self, plan: list[Bucket], ckpt: HostCheckpoint, buf: SlotBuffer,
+                     link: _ReceiverLink | None, alive: Callable[[], None],
+                     failure: RankFailure | None) -> tuple[RankFailure | None, bool]:
+        """Broadcast every bucket through the slots, then two-phase commit. Returns (failure, ok)."""
+        num_slots = self.config.num_slots
+        inflight: deque[int] = deque()
+
+        def on_msg(msg: object) -> None:
+            if isinstance(msg, AckReply):
+                if not inflight or inflight[0] != msg.bucket:
+                    raise _Failed(RankFailure(rank=self.rank, kind="server_error", bucket=msg.bucket,
+                                              message=f"ack for bucket {msg.bucket}, expected {list(inflight)[:1]}"))
+                inflight.popleft()
+                if link is not None:
+                    link.last_acked = msg.bucket
+
+        for k, bucket in enumerate(plan):
+            if failure is None:
+                try:
+                    if link is not None:
+                        link.bucket = k
+                        while (msg := link.try_recv()) is not None:
+                            on_msg(msg)
+                        while inflight and inflight[0] <= k - num_slots:  # the slot must be free
+                            on_msg(link.recv(f"ack bucket {inflight[0]}"))
+                    alive()
+                except _Failed as f:
+                    failure = f.failure
+            if not self._agree(failure is not None):
+                return failure, False
+            slot = buf.slot(k % num_slots, bucket.nbytes)
+            if self.rank == bucket.owner:
+                for it in bucket.items:
+                    src = ckpt.bytes_by_name[it.name][it.chunk_start:it.chunk_start + it.nbytes]
+                    slot[it.buf_offset:it.buf_offset + it.nbytes].copy_(src, non_blocking=True)
+            dist.broadcast(slot, src=bucket.owner, group=self.group)
+            if slot.is_cuda:  # the receiver reads it from another process/stream
+                torch.cuda.current_stream(slot.device).synchronize()
+            if link is not None and failure is None:
+                try:
+                    link.send(BucketMsg(bucket=k, slot=k % num_slots, items=bucket.items))
+                    inflight.append(k)
+                except _Failed as f:
+                    failure = f.failure
+        # phase 1: every receiver has staged (or, in direct mode, loaded) every bucket
+        if failure is None and link is not None:
+            try:
+                link.bucket = None
+                while inflight:
+                    on_msg(link.recv(f"ack bucket {inflight[0]}"))
+            except _Failed as f:
+                failure = f.failure
+        if failure is None:
+            try:
+                alive()
+            except _Failed as f:
+                failure = f.failure
+        if not self._agree(failure is not None):
+            return failure, False
+        # phase 2: commit (apply staged tensors, run the post-load hook)
+        if link is not None:
+            try:
+                link.send(CommitMsg())
+                msg = link.recv("finish the commit")
+                if not isinstance(msg, DoneReply):
+                    raise _Failed(RankFailure(rank=self.rank, kind="server_error",
+                                              message=f"expected 'done' after commit, got {msg.op!r}"))
+            except _Failed as f:
+                failure = f.failure
+                failure.kind = "commit_" + failure.kind
+        return failure, self._agree(failure is not None)
+
+    def _finish(self, name: str, t0: float, plan: list[Bucket], bucket_bytes: int,
+                metas: list[TensorMeta], req: _ReqThread | None, timeout: float) -> UpdateStats:
+        if req is not None:
+            req.join(timeout)
+            if req.error is not None:
+                log.warning("req_func raised after a successful update of %r:\n%s", name, req.error)
+        stats = UpdateStats(checkpoint=name, seconds=time.perf_counter() - t0,
+                            nbytes=sum(m.nbytes for m in metas), num_buckets=len(plan), bucket_bytes=bucket_bytes)
+        self.last_stats = stats
+        return stats
+
+    def _abort_and_raise(self, name: str, link: _ReceiverLink | None, failure: RankFailure | None,
+                         abort_timeout_s: float) -> None:
+        applied: list[str] = []
+        # a dead or hung receiver cannot acknowledge: tell it (best effort) but do not wait
+        unresponsive = failure is not None and failure.kind in ("worker_died", "timeout")
+        if unresponsive and link is not None:
+            try:
+                link.send(AbortMsg(reason=failure.message), timeout_s=0.05)
+            except _Failed:
+                pass
+        elif link is not None:
+            reason = "another rank failed" if failure is None else f"rank {self.rank}: {failure.message}"
+            try:
+                link.send(AbortMsg(reason=reason), timeout_s=abort_timeout_s)
+                deadline = time.monotonic() + abort_timeout_s
+                while time.monotonic() < deadline:
+                    try:
+                        msg = link.recv("acknowledge the abort", timeout_s=max(0.0, deadline - time.monotonic()))
+                    except _Failed as f:
+                        if f.failure.kind in ("timeout", "worker_died"):
+                            break
+                        continue  # a late error reply for an earlier bucket
+                    if isinstance(msg, AbortedReply):
+                        applied = msg.applied
+                        break
+            except _Failed:
+                pass  # a dead or hung receiver cannot acknowledge; its failure is already recorded
+        reports = self._all_gather((failure, applied))
+        failures = [f for f, _ in reports if f is not None]
+        if not failures:
+            failures = [RankFailure(rank=self.rank, kind="server_error", message="update aborted")]
+        raise UpdateError(name, failures, {r: a for r, (_, a) in enumerate(reports) if a})
+
+    def close(self) -> None:
+        self._ckpts.clear()
+        self._zmq.term()
+
+
+__all__ = ["ParameterServer", "ServerConfig", "UpdateStats", "CkptError"]

@@ -1,0 +1,108 @@
+"""Pydantic models for everything that crosses a process boundary (ZMQ, HTTP, gather)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field
+
+
+class TensorMeta(BaseModel):
+    """One registered tensor: where it lives (owner rank, byte offset in its source) and what it is."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    owner: int
+    offset: int  # byte offset inside the owner's host arena or safetensors file
+    nbytes: int
+
+
+class BucketItem(BaseModel):
+    """A tensor, or a byte range of a tensor bigger than a bucket, placed in a bucket."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    tensor_nbytes: int  # the whole tensor's size
+    chunk_start: int  # byte offset of this chunk inside the tensor (0 unless split)
+    nbytes: int  # bytes of this chunk
+    buf_offset: int  # where the chunk starts inside the bucket (aligned)
+
+    @property
+    def is_whole(self) -> bool:
+        return self.chunk_start == 0 and self.nbytes == self.tensor_nbytes
+
+
+class Bucket(BaseModel):
+    index: int
+    owner: int  # the rank that broadcasts it
+    nbytes: int  # used bytes (<= bucket size)
+    items: list[BucketItem]
+
+
+# ---- server <-> receiver messages over the ZMQ PAIR socket ----
+
+
+class BufferMsg(BaseModel):
+    op: Literal["buffer"] = "buffer"
+    handle: dict  # see buffer.SlotBuffer.handle()
+    slot_bytes: int
+    num_slots: int
+    checkpoint: str
+    num_buckets: int
+
+
+class BucketMsg(BaseModel):
+    op: Literal["bucket"] = "bucket"
+    bucket: int
+    slot: int
+    items: list[BucketItem]
+
+
+class CommitMsg(BaseModel):
+    op: Literal["commit"] = "commit"
+
+
+class AbortMsg(BaseModel):
+    op: Literal["abort"] = "abort"
+    reason: str
+
+
+ServerMsg = Annotated[BufferMsg | BucketMsg | CommitMsg | AbortMsg, Field(discriminator="op")]
+
+
+class ReadyReply(BaseModel):
+    op: Literal["ready"] = "ready"
+    device_id: str
+
+
+class AckReply(BaseModel):
+    op: Literal["ack"] = "ack"
+    bucket: int
+
+
+class ErrorReply(BaseModel):
+    op: Literal["error"] = "error"
+    kind: str  # "mismatch" | "worker_error"
+    message: str
+    bucket: int | None = None
+    tensor: str | None = None
+    traceback: str
+    applied: list[str] = []
+
+
+class DoneReply(BaseModel):
+    op: Literal["done"] = "done"
+    applied: int
+    seconds: float
+
+
+class AbortedReply(BaseModel):
+    op: Literal["aborted"] = "aborted"
+    applied: list[str] = []
+
+
+WorkerMsg = Annotated[
+    ReadyReply | AckReply | ErrorReply | DoneReply | AbortedReply, Field(discriminator="op")
+]

@@ -1,0 +1,206 @@
+"""The receiving side: `update_weights_from_ipc`, called inside the inference engine's worker.
+
+It connects to the server's ZMQ PAIR socket, maps the two-slot buffer from its handle, and
+for each bucket slices the named tensors out of the slot, validates them against the loader
+(name, dtype, shape), and either stages a private copy (staged mode, the default) or loads
+them at once (direct mode); then acks so the server can reuse the slot. On "commit" the
+staged tensors are loaded and the post-load hook runs; on "abort" the staging is dropped.
+
+Staged mode gives all-or-nothing per receiver at the cost of one model-sized staging copy;
+direct mode needs no extra memory and reports exactly which tensors it had applied.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+import zmq
+from pydantic import TypeAdapter
+
+from k2_ckpt.buffer import open_buffer
+from k2_ckpt.dtypes import dtype_from_name, from_bytes
+from k2_ckpt.errors import TensorMismatch, UpdateAborted
+from k2_ckpt.types import (
+    AbortedReply,
+    AbortMsg,
+    AckReply,
+    BucketMsg,
+    BufferMsg,
+    CommitMsg,
+    DoneReply,
+    ErrorReply,
+    ReadyReply,
+    ServerMsg,
+)
+
+_SERVER_MSG = TypeAdapter(ServerMsg)
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+@runtime_checkable
+class WeightLoader(Protocol):
+    """What a receiver loads into. `validate` raises `TensorMismatch` naming the tensor."""
+
+    def validate(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None: ...
+
+    def load_weights(self, named: NamedTensors) -> None: ...
+
+    def post_load(self) -> None: ...
+
+
+class FunctionLoader:
+    """Wrap a plain `load_fn(named_tensors)` (e.g. an engine's `model.load_weights`)."""
+
+    def __init__(self, load_fn: Callable[[NamedTensors], object],
+                 validate: Callable[[str, torch.dtype, tuple[int, ...]], None] | None = None,
+                 post_hook: Callable[[], object] | None = None):
+        self._load, self._validate, self._post = load_fn, validate, post_hook
+
+    def validate(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        if self._validate is not None:
+            self._validate(name, dtype, shape)
+
+    def load_weights(self, named: NamedTensors) -> None:
+        self._load(named)
+
+    def post_load(self) -> None:
+        if self._post is not None:
+            self._post()
+
+
+@dataclass
+class ReceiveResult:
+    checkpoint: str
+    tensors: int
+    buckets: int
+    seconds: float
+
+
+def update_weights_from_ipc(address: str, loader: WeightLoader | Callable[[NamedTensors], object], *,
+                            device: torch.device | str | None = None, device_id: str = "",
+                            staged: bool = True, timeout_s: float = 300.0,
+                            zmq_ctx: zmq.Context | None = None) -> ReceiveResult:
+    """Receive one update from the parameter server at `address` and load it into `loader`.
+
+    Returns when the update is committed; raises `UpdateAborted` (after dropping any staged
+    tensors) when the server aborts, and `TimeoutError` when the server is silent for `timeout_s`.
+    """
+    if not isinstance(loader, WeightLoader):
+        loader = FunctionLoader(loader)
+    ctx = zmq_ctx or zmq.Context.instance()
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 1000)  # let the last reply leave before close
+    sock.connect(address)
+    try:
+        return _Receiver(sock, loader, torch.device(device) if device is not None else None,
+                         device_id, staged, timeout_s).run()
+    finally:
+        sock.close()
+
+
+class _Receiver:
+    def __init__(self, sock: zmq.Socket, loader: WeightLoader, device: torch.device | None,
+                 device_id: str, staged: bool, timeout_s: float):
+        self.sock, self.loader, self.device = sock, loader, device
+        self.device_id, self.staged, self.timeout_s = device_id, staged, timeout_s
+        self.buf: torch.Tensor | None = None
+        self.slot_bytes = 0
+        self.checkpoint = ""
+        self.staging: dict[str, torch.Tensor] = {}
+        self.partial: dict[str, list] = {}  # name -> [bytes, received] for tensors split over buckets
+        self.applied: list[str] = []
+        self.failed = False
+        self.buckets = 0
+
+    def send(self, msg) -> None:
+        self.sock.send(msg.model_dump_json().encode())
+
+    def recv(self):
+        if not self.sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
+            raise TimeoutError(f"no message from the parameter server for {self.timeout_s:.1f}s; "
+                               "update abandoned, staged tensors dropped")
+        return _SERVER_MSG.validate_json(self.sock.recv())
+
+    def run(self) -> ReceiveResult:
+        t0 = time.perf_counter()
+        while True:
+            msg = self.recv()
+            if isinstance(msg, BufferMsg):
+                self.buf = open_buffer(msg.handle, self.device)
+                self.slot_bytes, self.checkpoint = msg.slot_bytes, msg.checkpoint
+                self.send(ReadyReply(device_id=self.device_id))
+            elif isinstance(msg, BucketMsg):
+                if not self.failed:
+                    self.on_bucket(msg)
+            elif isinstance(msg, CommitMsg):
+                if self.on_commit():
+                    n = len(self.applied)
+                    self.send(DoneReply(applied=n, seconds=time.perf_counter() - t0))
+                    return ReceiveResult(self.checkpoint, n, self.buckets, time.perf_counter() - t0)
+            elif isinstance(msg, AbortMsg):
+                self.staging.clear()
+                self.partial.clear()
+                self.send(AbortedReply(applied=[] if self.staged else self.applied))
+                raise UpdateAborted(f"update of {self.checkpoint!r} aborted by the server: {msg.reason}")
+
+    def _error(self, e: BaseException, bucket: int | None, tensor: str | None) -> None:
+        self.failed = True
+        kind = "mismatch" if isinstance(e, TensorMismatch) else "worker_error"
+        self.send(ErrorReply(kind=kind, message=f"{type(e).__name__}: {e}", bucket=bucket, tensor=tensor,
+                             traceback=traceback.format_exc(), applied=[] if self.staged else self.applied))
+
+    def on_bucket(self, msg: BucketMsg) -> None:
+        assert self.buf is not None, "bucket before buffer"
+        base = msg.slot * self.slot_bytes
+        ready: list[tuple[str, torch.Tensor]] = []
+        name = None
+        try:
+            for it in msg.items:
+                name = it.name
+                dtype = dtype_from_name(it.dtype)
+                if it.chunk_start == 0:
+                    self.loader.validate(it.name, dtype, tuple(it.shape))
+                src = self.buf[base + it.buf_offset:base + it.buf_offset + it.nbytes]
+                if it.is_whole:
+                    # staged: a private copy; direct: a view, copied out by load_weights below
+                    data = src.clone() if self.staged else src
+                    ready.append((it.name, from_bytes(data, dtype, it.shape)))
+                    continue
+                part = self.partial.setdefault(it.name, [torch.empty(it.tensor_nbytes, dtype=torch.uint8,
+                                                                     device=src.device), 0])
+                part[0][it.chunk_start:it.chunk_start + it.nbytes].copy_(src)
+                part[1] += it.nbytes
+                if part[1] == it.tensor_nbytes:
+                    ready.append((it.name, from_bytes(self.partial.pop(it.name)[0], dtype, it.shape)))
+            name = None
+            if self.staged:
+                self.staging.update(ready)
+            else:
+                self.loader.load_weights(ready)
+                self.applied.extend(n for n, _ in ready)
+            if self.buf.is_cuda:
+                torch.cuda.current_stream(self.buf.device).synchronize()  # slot reads done before the ack
+            self.buckets += 1
+            self.send(AckReply(bucket=msg.bucket))
+        except Exception as e:  # reported to the server with its traceback
+            self._error(e, msg.bucket, name or (ready[-1][0] if ready else None))
+
+    def on_commit(self) -> bool:
+        try:
+            if self.partial:
+                raise RuntimeError(f"commit with incomplete tensors {sorted(self.partial)}")
+            if self.staged:
+                self.loader.load_weights(self.staging.items())
+                self.applied = list(self.staging)
+                self.staging.clear()
+            self.loader.post_load()
+            return True
+        except Exception as e:
+            self._error(e, None, None)
+            return False

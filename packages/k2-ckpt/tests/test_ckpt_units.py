@@ -1,0 +1,194 @@
+"""Single-process tests: bucket planning, byte views, safetensors mapping, the module adapter."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from k2_ckpt.adapters import ModuleAdapter, dequantize_fp8_blocks
+from k2_ckpt.dtypes import as_bytes, dtype_from_name, dtype_name, from_bytes
+from k2_ckpt.errors import BadCheckpoint, FileMissing, RankFailure, TensorMismatch, UpdateError
+from k2_ckpt.harness import build_module, make_tensor
+from k2_ckpt.host import HostCheckpoint
+from k2_ckpt.planner import ALIGN, plan_buckets
+from k2_ckpt.types import TensorMeta
+from safetensors.torch import load_file, save_file
+
+
+def _metas(sizes_by_owner: dict[int, list[int]]) -> list[TensorMeta]:
+    out = []
+    for owner, sizes in sizes_by_owner.items():
+        for i, n in enumerate(sizes):
+            out.append(TensorMeta(name=f"r{owner}.t{i}", dtype="uint8", shape=[n], owner=owner, offset=0, nbytes=n))
+    return out
+
+
+def _reassemble(plan, metas):
+    """Per tensor, the byte ranges the plan covers, checked for order and completeness."""
+    covered = {m.name: 0 for m in metas}
+    for b in plan:
+        used = 0
+        for it in b.items:
+            assert it.buf_offset % ALIGN == 0 and it.buf_offset >= used
+            assert it.chunk_start == covered[it.name], "chunks must arrive in order"
+            covered[it.name] += it.nbytes
+            used = it.buf_offset + it.nbytes
+        assert used == b.nbytes
+    return covered
+
+
+@pytest.mark.parametrize("bucket", [1024, 4096, 1 << 20])
+def test_plan_covers_every_byte_once_and_respects_bucket_size(bucket):
+    metas = _metas({0: [10, 300, 5000, 7, 1024], 1: [2048, 1, 0, 999], 2: [100_000]})
+    plan = plan_buckets(metas, bucket)
+    assert all(b.nbytes <= bucket for b in plan)
+    assert all(len({it.name.split(".")[0] for it in b.items}) == 1 for b in plan), "one owner per bucket"
+    assert all(b.owner == int(b.items[0].name[1]) for b in plan)
+    covered = _reassemble(plan, metas)
+    assert covered == {m.name: m.nbytes for m in metas}
+    assert [b.index for b in plan] == list(range(len(plan)))
+
+
+def test_plan_splits_a_tensor_larger_than_the_bucket():
+    metas = _metas({0: [100, 10_000, 50]})
+    plan = plan_buckets(metas, 4096)
+    chunks = [it for b in plan for it in b.items if it.name == "r0.t1"]
+    # a split tensor starts a fresh bucket, then fills whole buckets: ceil(10000/4096) = 3 chunks
+    assert [c.nbytes for c in chunks] == [4096, 4096, 10_000 - 8192]
+    assert all(not c.is_whole for c in chunks)
+    # the tail chunk shares its bucket with the next tensor
+    assert plan[-1].items[-1].name == "r0.t2" and plan[-1].items[0].name == "r0.t1"
+    # whole tensors that fit are never split
+    assert all(it.is_whole for b in plan for it in b.items if it.name != "r0.t1")
+
+
+def test_plan_packs_small_tensors_densely():
+    metas = _metas({0: [256] * 64})
+    plan = plan_buckets(metas, 4096)
+    assert len(plan) == math.ceil(64 * 256 / 4096)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int64", "bool"])
+def test_byte_views_roundtrip_bitwise(dtype):
+    t = make_tensor("x", dtype, [7, 5], 3)
+    b = as_bytes(t)
+    assert b.dtype == torch.uint8 and b.numel() == t.numel() * t.element_size()
+    back = from_bytes(b.clone(), dtype_from_name(dtype), [7, 5])
+    assert back.dtype == t.dtype and torch.equal(as_bytes(back), b)
+    assert dtype_name(t.dtype) == dtype
+
+
+def test_dtype_errors_name_the_dtype():
+    with pytest.raises(TypeError, match="complex64"):
+        dtype_name(torch.complex64)
+    with pytest.raises(TypeError, match="float128"):
+        dtype_from_name("float128")
+
+
+def test_safetensors_files_are_mapped_bitwise(tmp_path):
+    tensors = {f"w.{d}": make_tensor(f"w.{d}", d, [33, 17], 1)
+               for d in ["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int32"]}
+    path = tmp_path / "a.safetensors"
+    save_file(tensors, str(path))
+    ref = load_file(str(path))
+    ck = HostCheckpoint("c", rank=3)
+    ck.add_safetensors(path)
+    assert {m.name for m in ck.metas} == set(tensors)
+    for m in ck.metas:
+        assert m.owner == 3 and m.shape == [33, 17]
+        got = from_bytes(ck.bytes_by_name[m.name], dtype_from_name(m.dtype), m.shape)
+        assert torch.equal(as_bytes(got.contiguous()), as_bytes(ref[m.name]))
+
+
+def test_named_tensors_are_copied_not_aliased():
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    ck = HostCheckpoint("c", rank=0)
+    ck.add_named_tensors({"a": t, "b": t[:, 1]})  # non-contiguous input is fine
+    t.add_(100)  # the trainer keeps training: the registered copy must not move
+    assert torch.equal(from_bytes(ck.bytes_by_name["a"], torch.float32, [3, 4]), torch.arange(12.0).reshape(3, 4))
+    assert torch.equal(from_bytes(ck.bytes_by_name["b"], torch.float32, [3]), torch.tensor([1.0, 5.0, 9.0]))
+    assert all(m.offset % ALIGN == 0 for m in ck.metas)
+
+
+def test_host_errors_name_the_file_and_tensor(tmp_path):
+    ck = HostCheckpoint("c", rank=0)
+    with pytest.raises(FileMissing, match="nope.safetensors"):
+        ck.add_safetensors(tmp_path / "nope.safetensors")
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    with pytest.raises(BadCheckpoint, match="bad.safetensors"):
+        ck.add_safetensors(bad)
+    ck.add_named_tensors({"x": torch.zeros(2)})
+    with pytest.raises(BadCheckpoint, match="'x' registered twice"):
+        ck.add_named_tensors({"x": torch.zeros(2)})
+
+
+def test_module_adapter_loads_by_hf_name_bitwise():
+    spec = {"model.layers.0.self_attn.q_a_proj.weight": ("bfloat16", [8, 16]),
+            "model.layers.0.mlp.gate.e_score_correction_bias": ("float32", [4]),
+            "model.layers.1.mlp.experts.3.up_proj.weight": ("float8_e4m3fn", [4, 8])}
+    module = build_module(spec)
+    ad = ModuleAdapter(module)
+    new = {n: make_tensor(n, dt, sh, 7) for n, (dt, sh) in spec.items()}
+    for n, t in new.items():
+        ad.validate(n, t.dtype, tuple(t.shape))
+    ad.load_weights(new.items())
+    ad.post_load()
+    sd = module.state_dict()
+    for n, t in new.items():
+        assert torch.equal(as_bytes(sd[n]), as_bytes(t)), n
+
+
+def test_module_adapter_rejects_mismatches_by_name():
+    module = build_module({"model.norm.weight": ("float32", [8])})
+    ad = ModuleAdapter(module)
+    with pytest.raises(TensorMismatch, match=r"'model.norm.weight'.*shape \(9,\)"):
+        ad.validate("model.norm.weight", torch.float32, (9,))
+    with pytest.raises(TensorMismatch, match=r"'model.norm.weight'.*dtype torch.float16"):
+        ad.validate("model.norm.weight", torch.float16, (8,))
+    with pytest.raises(TensorMismatch, match="lm_head.weight"):
+        ad.validate("lm_head.weight", torch.float32, (8,))
+    ModuleAdapter(module, ignore_unknown=True).validate("lm_head.weight", torch.float32, (8,))
+
+
+@pytest.mark.parametrize("scale_first", [False, True])
+def test_module_adapter_dequantizes_fp8_block_scaled_weights(scale_first):
+    O, I = 200, 300  # not multiples of 128: partial edge blocks
+    module = build_module({"model.layers.0.mlp.down_proj.weight": ("float32", [O, I])})
+    ad = ModuleAdapter(module)
+    w = make_tensor("w", "float8_e4m3fn", [O, I], 1)
+    s = torch.rand(math.ceil(O / 128), math.ceil(I / 128)) + 0.5
+    name = "model.layers.0.mlp.down_proj.weight"
+    ad.validate(name, w.dtype, (O, I))
+    ad.validate(name + "_scale_inv", s.dtype, tuple(s.shape))
+    with pytest.raises(TensorMismatch, match="block scale shape"):
+        ad.validate(name + "_scale_inv", s.dtype, (1, 1))
+    pairs = [(name + "_scale_inv", s), (name, w)] if scale_first else [(name, w), (name + "_scale_inv", s)]
+    for p in pairs:  # one at a time, as in direct mode across buckets
+        ad.load_weights([p])
+    ad.post_load()
+    # reference: every element times the scale of its 128x128 tile
+    i = torch.arange(O)[:, None] // 128
+    j = torch.arange(I)[None, :] // 128
+    ref = w.float() * s[i, j]
+    assert torch.equal(module.state_dict()[name], ref)
+    assert torch.equal(dequantize_fp8_blocks(w, s), ref)
+
+
+def test_module_adapter_reports_fp8_without_scale():
+    module = build_module({"a.weight": ("float32", [4, 4])})
+    ad = ModuleAdapter(module)
+    ad.load_weights([("a.weight", make_tensor("a", "float8_e4m3fn", [4, 4], 1))])
+    with pytest.raises(TensorMismatch, match="a.weight"):
+        ad.post_load()
+
+
+def test_update_error_names_rank_tensor_and_remote_traceback():
+    e = UpdateError("ck", [RankFailure(rank=2, kind="worker_error", message="boom", bucket=5, tensor="x.weight",
+                                       traceback="Traceback ...\nRuntimeError: boom")], {2: ["a"]})
+    text = str(e)
+    assert "rank 2" in text and "bucket 5" in text and "'x.weight'" in text and "RuntimeError: boom" in text
+    assert e.status == 502 and e.applied == {2: ["a"]}
+    assert UpdateError("ck", [RankFailure(rank=0, kind="mismatch", message="m")]).status == 409
+    assert UpdateError("ck", [RankFailure(rank=0, kind="timeout", message="t")]).status == 504
