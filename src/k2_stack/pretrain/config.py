@@ -1,0 +1,100 @@
+"""The pretraining run configuration: one dataclass, loadable from JSON/TOML, overridable by flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+OPTIMIZERS = ("muonclip", "muon", "adamw")
+
+
+@dataclass
+class PretrainConfig:
+    # model
+    preset: str = "tiny"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    # optimizer (K2 recipe: Muon with RMS matched to AdamW, weight decay 0.1, tau 100 at scale)
+    optimizer: str = "muonclip"
+    lr: float = 2e-2
+    weight_decay: float = 0.1
+    tau: float = 30.0
+    grad_clip: float = 1.0
+    # WSD schedule, as fractions of the run (warmup, then constant, then cosine to min_lr_ratio)
+    warmup_steps: int = 10
+    decay_fraction: float = 0.2
+    min_lr_ratio: float = 0.1
+    # aux-loss-free balancing: the bias step per optimizer step
+    bias_update_speed: float = 1e-3
+    # batch: global batch in sequences; micro_batch sequences per forward (gradient accumulation)
+    steps: int = 200
+    batch: int = 8
+    micro_batch: int = 0  # 0 = the whole batch in one forward
+    seq_len: int = 256
+    # data: None = the running interpreter's standard library source
+    data: str | None = None
+    tokenizer: str | None = None
+    max_corpus_mb: float = 0.0  # 0 = all of it
+    val_fraction: float = 0.02
+    eval_every: int = 50
+    eval_batches: int = 4
+    # run
+    out: str = "runs/pretrain"
+    save_every: int = 100
+    stop_at: int = 0  # stop (and checkpoint) after this step, as if interrupted; 0 = never
+    seed: int = 0
+    threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    activation_checkpointing: bool = False
+    dtype: str = "auto"  # auto: fp32 on CPU, bf16 on GPU
+    device: str = "auto"
+
+    def validate(self) -> None:
+        def need(cond: bool, name: str, what: str) -> None:
+            if not cond:
+                raise ValueError(f"pretrain config: {name}={getattr(self, name)!r}: expected {what}")
+
+        need(self.optimizer in OPTIMIZERS, "optimizer", f"one of {', '.join(OPTIMIZERS)}")
+        need(self.lr > 0, "lr", "> 0")
+        need(self.tau > 0, "tau", "> 0")
+        need(self.steps > 0, "steps", "> 0")
+        need(self.batch > 0, "batch", "> 0")
+        need(self.micro_batch >= 0, "micro_batch", ">= 0")
+        need(self.micro_batch == 0 or self.batch % self.micro_batch == 0, "micro_batch", "a divisor of batch")
+        need(self.seq_len > 1, "seq_len", "> 1")
+        need(0 <= self.decay_fraction <= 1, "decay_fraction", "in [0, 1]")
+        need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]")
+        need(0 < self.val_fraction < 1, "val_fraction", "in (0, 1)")
+        need(self.eval_every >= 0, "eval_every", ">= 0")
+        need(self.save_every >= 0, "save_every", ">= 0")
+        need(self.dtype in ("auto", "fp32", "bf16"), "dtype", "auto, fp32 or bf16")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> PretrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**d)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> PretrainConfig:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"pretrain config file {p} not found")
+        text = p.read_text()
+        try:
+            if p.suffix == ".toml":
+                import tomllib  # Python >= 3.11
+
+                d = tomllib.loads(text)
+            else:
+                d = json.loads(text)
+        except ValueError as e:  # json.JSONDecodeError and tomllib.TOMLDecodeError are ValueErrors
+            raise ValueError(f"{p}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from e
+        d = d.get("pretrain", d)
+        return cls.from_dict(d, source=str(p))

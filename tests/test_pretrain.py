@@ -1,0 +1,135 @@
+"""`k2 pretrain` end to end on a small corpus: metrics, plots, checkpoints, exact resume."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from k2_stack.cli import main
+from k2_stack.pretrain import PretrainConfig, run_pretrain
+from k2_stack.pretrain.checkpoint import latest_checkpoint
+
+# A model small enough for a test, with K2's structure (dense first layer, MoE after, MLA).
+SMALL = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("corpus")
+    # Real Python source from the standard library, cut into 80 documents of 40 lines.
+    import textwrap
+
+    lines = Path(textwrap.__file__).read_text().splitlines()
+    for i in range(80):
+        chunk = lines[(i * 40) % len(lines) : (i * 40) % len(lines) + 40]
+        (d / f"doc{i:03d}.py").write_text("\n".join(chunk) + "\n")
+    return d
+
+
+def _cfg(tmp_path: Path, corpus: Path, **kw) -> PretrainConfig:
+    base = dict(
+        model_overrides=SMALL, steps=8, batch=4, micro_batch=2, seq_len=32, lr=1e-2, tau=5.0,
+        warmup_steps=2, data=str(corpus), val_fraction=0.2, eval_every=4, eval_batches=1, save_every=0, threads=1,
+        out=str(tmp_path / "run"),
+    )
+    base.update(kw)
+    return PretrainConfig(**base)
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("K2_CACHE", str(tmp_path / "cache"))
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_writes_metrics_plots_checkpoint_and_learns(tmp_path, corpus):
+    cfg = _cfg(tmp_path, corpus, steps=12)
+    result = run_pretrain(cfg, quiet=True)
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    for r in rows:
+        for key in ("loss", "lr", "max_logit", "clipped_heads", "tokens_per_s", "expert_maxvio", "grad_norm"):
+            assert key in r and math.isfinite(r[key]), key
+        assert r["tokens"] == r["step"] * 4 * 32
+    # The first loss is about ln(vocab) for a random init; 12 steps must bring it down.
+    assert abs(rows[0]["loss"] - math.log(8192)) < 1.0
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    assert [r["step"] for r in rows if "val_loss" in r] == [4, 8, 12]
+    assert (result.run_dir / "plots" / "loss.png").stat().st_size > 1000
+    assert (result.run_dir / "plots" / "max_logit.png").stat().st_size > 1000
+    assert (result.run_dir / "tokenizer").is_dir()
+    assert latest_checkpoint(result.run_dir).name == "step_000012"
+    # The WSD schedule: warmup to the peak, then decay to lr * min_lr_ratio at the end.
+    assert rows[0]["lr"] == pytest.approx(1e-2 / 2)
+    assert max(r["lr"] for r in rows) == pytest.approx(1e-2)
+
+
+def test_clipping_caps_logits_at_tau(tmp_path, corpus):
+    # A tau below the logits this small model reaches (its max logits start near 0.06): heads get
+    # clipped, and the optimizer reports it.
+    result = run_pretrain(_cfg(tmp_path, corpus, tau=0.05, lr=3e-2, steps=6, eval_every=0), quiet=True)
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["clipped_heads"] for r in rows) > 0
+    assert all(r["clipped_heads"] <= SMALL["num_hidden_layers"] * SMALL["num_attention_heads"] for r in rows)
+
+
+def test_stop_and_resume_is_bit_identical(tmp_path, corpus):
+    full = run_pretrain(_cfg(tmp_path, corpus, out=str(tmp_path / "full")), quiet=True)
+    assert full.steps_done == 8 and not full.interrupted
+    stopped = run_pretrain(_cfg(tmp_path, corpus, out=str(tmp_path / "part"), stop_at=4), quiet=True)
+    assert stopped.interrupted and stopped.steps_done == 4
+    resumed = run_pretrain(_cfg(tmp_path, corpus, out=str(tmp_path / "part")), resume=True, quiet=True)
+    assert resumed.steps_done == 8
+    assert _losses(tmp_path / "part") == _losses(tmp_path / "full")  # exact, not approximate
+
+
+def test_cli_resume_and_errors(tmp_path, corpus, capsys):
+    cfg_file = tmp_path / "pretrain.json"
+    cfg_file.write_text(json.dumps(_cfg(tmp_path, corpus, steps=3, eval_every=0).to_dict()))
+    assert main(["pretrain", "--config", str(cfg_file), "--stop-at", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["steps_done"] == 2 and out["interrupted"]
+    assert main(["pretrain", "--resume", str(tmp_path / "run"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["steps_done"] == 3 and not out["interrupted"]
+    # Starting again into a run directory that has a run is refused (resume it instead).
+    assert main(["pretrain", "--config", str(cfg_file)]) == 2
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"stepz": 3}))
+    with pytest.raises(ValueError, match="stepz"):
+        PretrainConfig.from_file(bad)
+    with pytest.raises(ValueError, match="optimizer"):
+        PretrainConfig(optimizer="sgd").validate()
+
+
+def test_optimizers_build(tmp_path, corpus):
+    from k2_optim import MuonClip
+
+    from k2_stack.pretrain.trainer import build_model, build_optimizer
+
+    model = build_model(_cfg(tmp_path, corpus), 8192, torch.device("cpu"))
+    assert isinstance(build_optimizer(_cfg(tmp_path, corpus, optimizer="adamw"), model), torch.optim.AdamW)
+    muon = build_optimizer(_cfg(tmp_path, corpus, optimizer="muon"), model)
+    assert isinstance(muon, MuonClip) and muon.tau is None
+    clip = build_optimizer(_cfg(tmp_path, corpus, optimizer="muonclip", tau=7.0), model)
+    assert clip.tau == 7.0
