@@ -50,9 +50,11 @@ def run_route(
     norm_topk_prob: bool,
 ) -> tuple[Tensor, Tensor] | None:
     backend = _backend(logits_TE)
-    if backend is None or logits_TE.dtype not in _lib.FLOAT_TAGS:
+    # float64 logits are read (as float32, like the reference) by the CPU kernel only.
+    ok_dtypes = _lib.FLOAT_TAGS + ((torch.float64,) if backend == "cpu" else ())
+    if backend is None or logits_TE.dtype not in ok_dtypes:
         return None
-    if bias_E is not None and bias_E.dtype not in _lib.FLOAT_TAGS:
+    if bias_E is not None and not bias_E.dtype.is_floating_point:
         return None
     T, E = logits_TE.shape
     C = _lib.compiled()
