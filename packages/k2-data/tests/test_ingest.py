@@ -9,7 +9,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from k2_data import BadRecordError, TokenizeConfig, load_manifest, load_tokenizer, tokenize_corpus
 from k2_data.ingest import PLAN, SHARD_SCHEMA
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from k2_data import PackedDataset, StatefulLoader
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from k2_data import IGNORE_INDEX, PackedDataset, load_manifest
 from k2_data.packing import load_token_arrays
 

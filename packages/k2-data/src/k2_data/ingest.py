@@ -410,7 +410,7 @@ def tokenize_corpus(
             if progress:
                 progress(done, len(tasks), meta)
     else:
-        ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+        ctx = multiprocessing.get_context(os.environ.get("K2_DATA_MP_START", "fork" if os.name == "posix" else "spawn"))
         with ProcessPoolExecutor(config.workers, mp_context=ctx, initializer=_worker_init) as pool:
             futures = [pool.submit(tokenize_shard, task, tok_path, str(out), config) for task in todo]
             try:
