@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-
 from k2_kernels import _lib, ops, reference
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]

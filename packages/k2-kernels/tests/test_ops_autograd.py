@@ -6,10 +6,9 @@ import warnings
 
 import pytest
 import torch
+from k2_kernels import _lib, ops, reference
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.library import opcheck
-
-from k2_kernels import _lib, ops, reference
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
