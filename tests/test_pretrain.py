@@ -133,3 +133,19 @@ def test_optimizers_build(tmp_path, corpus):
     assert isinstance(muon, MuonClip) and muon.tau is None
     clip = build_optimizer(_cfg(tmp_path, corpus, optimizer="muonclip", tau=7.0), model)
     assert clip.tau == 7.0
+
+
+def test_export_loads_in_k2_and_transformers(tmp_path, corpus):
+    import transformers
+    from k2_model import K2ForCausalLM
+
+    result = run_pretrain(_cfg(tmp_path, corpus, steps=2, eval_every=0), quiet=True)
+    hf_dir = tmp_path / "hf"
+    assert main(["export", str(result.run_dir), "--out", str(hf_dir)]) == 0
+    ids = torch.randint(0, 8192, (2, 16), generator=torch.Generator().manual_seed(0))
+    ours = K2ForCausalLM.from_pretrained(str(hf_dir)).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        a, b = ours(ids).logits, theirs(ids).logits
+    assert (a - b).norm() / b.norm() <= 1e-5
+    assert (hf_dir / "tokenizer_config.json").is_file()

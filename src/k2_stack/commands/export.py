@@ -1,0 +1,30 @@
+"""`k2 export RUN_DIR --out HF_DIR`: a pretraining run's latest checkpoint as an HF-format model."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a pretraining run's latest checkpoint as an HF-format directory",
+        description="Write config.json, safetensors (DeepseekV3ForCausalLM names) and the tokenizer of a "
+        "`k2 pretrain` run into --out, loadable by K2ForCausalLM.from_pretrained and transformers.",
+    )
+    p.add_argument("run_dir", type=Path, help="a `k2 pretrain` run directory")
+    p.add_argument("--out", type=Path, required=True, help="the HF-format output directory")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from k2_stack.pretrain.export import export_run
+
+    try:
+        out = export_run(args.run_dir, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"k2 export: {e}")
+        return 2
+    print(f"exported {args.run_dir} -> {out}")
+    return 0
