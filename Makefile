@@ -13,11 +13,12 @@ KERNELS_STAMP := $(VENV)/.k2-kernels
 STAMP         := $(VENV)/.k2-installed
 KERNEL_SRCS   := $(shell find csrc packages/k2-kernels/CMakeLists.txt packages/k2-kernels/pyproject.toml -type f 2>/dev/null)
 
-.PHONY: setup test test-fast demo wheels lint bench-model clean help
+.PHONY: setup test test-fast demo stats wheels lint bench-model clean help
 
 help:
 	@echo "make demo    set up .venv if needed, then run the main job on the embedded default data"
 	@echo "make test    set up .venv if needed, then run the CPU test suite"
+	@echo "make stats   the K2 vs DeepSeek-V3 cost model (k2 model stats)"
 	@echo "make wheels  build every package's wheel into dist/"
 	@echo "make lint    ruff"
 
@@ -25,7 +26,7 @@ help:
 $(BASE_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH_SPEC)"
-	$(PIP) "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja "hatchling>=1.20"
+	$(PIP) "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja "hatchling>=1.20" editables
 	touch $@
 
 # The compiled kernels: rebuilt when csrc/ or the kernel build changes (incremental build dir).
@@ -45,8 +46,14 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not dist"
 
-# Until `k2 pretrain` lands, the demo is the model cost report (K2 vs DeepSeek-V3).
+# The main job: a short MuonClip pretraining run of the tiny K2 on this Python's standard
+# library source (tokenized once, then cached in ~/.cache/k2). Each run gets a new directory.
+DEMO_OUT   ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
+DEMO_FLAGS ?= --steps 120 --batch 8 --seq-len 256 --lr 0.02 --tau 30 --max-corpus-mb 4 --eval-every 40 --save-every 60
 demo: $(STAMP)
+	$(VENV)/bin/k2 pretrain --preset tiny --optimizer muonclip $(DEMO_FLAGS) --out $(DEMO_OUT)
+
+stats: $(STAMP)
 	$(VENV)/bin/k2 model stats --preset kimi-k2 --compare deepseek-v3
 
 wheels: $(BASE_STAMP)
