@@ -1,0 +1,92 @@
+"""MoE routing / permute / unpermute: k2 kernels (k2_kernels.ops) vs the PyTorch reference
+(k2_kernels.reference), measured in the same run. Prints a table of times and speedups.
+
+    python benchmarks/moe_ops.py                 # CPU, fp32
+    python benchmarks/moe_ops.py --device cuda   # GPU, bf16 activations
+
+Shape legend: T tokens, E experts, K experts per token, G groups (kept TG), D hidden size.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Running `python benchmarks/x.py` puts benchmarks/ first on sys.path, where a sibling script
+# (benchmarks/tokenize.py) would shadow the standard library module of the same name.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+
+import torch  # noqa: E402
+
+from k2_kernels import info, ops, reference  # noqa: E402
+
+
+def bench(fn: Callable[[], object], device: str, reps: int, warmup: int = 3) -> float:
+    """Median wall time in milliseconds (synchronising the GPU around each call)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--tokens", type=int, default=None, help="T (default 4096 on CPU, 16384 on CUDA)")
+    args = ap.parse_args()
+    dev = args.device
+    cuda = dev == "cuda"
+    T = args.tokens or (16384 if cuda else 4096)
+    D = 7168 if cuda else 512
+    dtype = torch.bfloat16 if cuda else torch.float32
+    reps = args.reps or (50 if cuda else 10)
+    torch.manual_seed(0)
+    print(f"device={dev} T={T} D={D} dtype={dtype} k2_kernels={info()}")
+    if cuda:
+        print(f"gpu: {torch.cuda.get_device_name(0)}")
+    else:
+        print(f"cpu threads: {torch.get_num_threads()}")
+
+    rows = []
+    for name, E, K, G, TG in [("kimi-k2", 384, 8, 1, 1), ("deepseek-v3", 256, 8, 8, 4)]:
+        logits = torch.randn(T, E, device=dev, dtype=dtype)
+        bias = 0.01 * torch.randn(E, device=dev)
+        x = torch.randn(T, D, device=dev, dtype=dtype)
+        idx, w = ops.moe_route(logits, bias, K, G, TG, 2.827)
+        x_ND, rows_N, _, _ = ops.moe_permute(x, idx, E)
+        cases = [
+            ("route", lambda: ops.moe_route(logits, bias, K, G, TG, 2.827),
+             lambda: reference.moe_route(logits, bias, K, G, TG, 2.827)),
+            ("permute", lambda: ops.moe_permute(x, idx, E), lambda: reference.moe_permute(x, idx, E)),
+            ("unpermute", lambda: ops.moe_unpermute(x_ND, rows_N, w),
+             lambda: reference.moe_unpermute(x_ND, rows_N, w)),
+        ]
+        for op, k2_fn, ref_fn in cases:
+            t_ref = bench(ref_fn, dev, reps)
+            t_k2 = bench(k2_fn, dev, reps)
+            rows.append((f"{op} ({name}, E={E} K={K}" + (f" G={G}/{TG})" if G > 1 else ")"), t_ref, t_k2))
+
+    print()
+    print(f"| op (T={T}, D={D}, {str(dtype).replace('torch.', '')}, {dev}) | reference ms | k2 ms | speedup |")
+    print("|---|---:|---:|---:|")
+    for label, t_ref, t_k2 in rows:
+        print(f"| {label} | {t_ref:.3f} | {t_k2:.3f} | {t_ref / t_k2:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
