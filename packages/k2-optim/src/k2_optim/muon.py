@@ -28,7 +28,36 @@ from torch.optim import Optimizer
 
 from .newton_schulz import Coeffs, newton_schulz, resolve_ns_schedule
 
-__all__ = ["Muon", "adjust_lr", "default_ns_dtype", "declare_fused"]
+__all__ = ["Muon", "adjust_lr", "default_ns_dtype", "declare_fused", "local_view"]
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def local_view(p: Tensor, u: Tensor) -> tuple[Tensor, Tensor, bool]:
+    """(local param storage, local update, whether the local part holds whole matrices).
+
+    Plain tensors and replicated DTensors hold whole matrices; a DTensor sharded on a leading
+    batch dim (stacked experts [E, O, I] under FSDP2's Shard(0)) holds whole experts; a 2-D
+    weight sharded on its rows does not, and goes through the gather-to-owner path.
+    """
+    if not hasattr(p, "to_local"):
+        return p, u, True
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = p.placements
+    for pl in placements:
+        if not isinstance(pl, (Shard, Replicate)):
+            raise ValueError(f"Muon: DTensor placement {pl} is not supported (Shard or Replicate only)")
+    shard_dims = [pl.dim % p.ndim for pl in placements if isinstance(pl, Shard)]
+    whole = all(d < p.ndim - 2 for d in shard_dims)
+    if not whole and (len(shard_dims) != 1 or shard_dims[0] != p.ndim - 2 or p.ndim != 2):
+        raise ValueError(
+            f"Muon: DTensor of shape {tuple(p.shape)} with placements {placements}: only row sharding "
+            "(Shard(0)) of 2-D matrices or sharding of the leading (expert) dim of stacked matrices is supported"
+        )
+    return p.to_local(), u if not hasattr(u, "to_local") else u.to_local(), whole
 
 _FUSED_ATTR = "_k2_muon_split"
 
@@ -173,46 +202,63 @@ class Muon(Optimizer):
             state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
         buf = state["momentum_buffer"]
         mu = group["momentum"]
-        buf.lerp_(grad, 1 - mu)
-        return grad.lerp(buf, mu) if group["nesterov"] else buf
+        # DTensors (FSDP2): work on the local shards; the buffer keeps the param's placement
+        g_loc, buf_loc = _local(grad), _local(buf)
+        buf_loc.lerp_(g_loc, 1 - mu)
+        return g_loc.lerp(buf_loc, mu) if group["nesterov"] else buf_loc
 
     def _muon_group_step(self, group: dict[str, Any]) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
-        schedule = resolve_ns_schedule(group["ns_coefficients"], group["ns_steps"])
-        # 1. momentum, then cut every update into logical matrices and bucket them by shape.
-        buckets: dict[tuple, list[tuple[Tensor, Tensor]]] = defaultdict(list)  # key -> [(dest view, update)]
+        lr, wd = group["lr"], group["weight_decay"]
+        local: list[tuple[Tensor, Tensor]] = []  # (dest view, update piece), full matrices at hand
+        sharded: list[tuple[Tensor, Tensor, Tensor]] = []  # (param, local param rows, local update rows)
         for p in params:
             u = self._momentum_update(group, p)
-            ns_dtype = group["ns_dtype"] or default_ns_dtype(p.device)
-            for dest, piece in self._logical_pieces(group, p, u):
-                key = (tuple(piece.shape[-2:]), piece.device, ns_dtype)
-                buckets[key].append((dest, piece))
-        # 2. weight decay with the unadjusted lr (decoupled), before the update as torch does.
-        lr, wd = group["lr"], group["weight_decay"]
+            p_loc, u_loc, whole = local_view(p, u)
+            if whole:  # plain tensor, replicated DTensor, or stacked experts sharded on the expert dim
+                local.extend(self._logical_pieces(group, p, p_loc, u_loc))
+            else:  # rows of a matrix are spread over ranks: gathered to one owner for NS
+                sharded.append((p, p_loc, u_loc))
+        # decoupled weight decay with the unadjusted lr, before the update (as torch.optim.Muon)
         if wd != 0:
             for p in params:
-                p.mul_(1 - lr * wd)
-        # 3. one batched NS per shape; scatter back with the per-shape RMS-matched lr.
-        for (shape, _device, ns_dtype), items in buckets.items():
+                local_view(p, p)[0].mul_(1 - lr * wd)
+        self._orthogonalize_into(group, local)
+        if sharded:
+            from .distributed import sharded_muon_updates
+
+            for (_, p_loc, _), upd in zip(sharded, sharded_muon_updates(self, group, sharded)):
+                p_loc.add_(upd)
+
+    def _orthogonalize_into(self, group: dict[str, Any], items: list[tuple[Tensor, Tensor]]) -> None:
+        """dest += -adjusted_lr(shape) * NS(piece) for every (dest, piece); one batched NS per shape."""
+        schedule = resolve_ns_schedule(group["ns_coefficients"], group["ns_steps"])
+        buckets: dict[tuple, list[tuple[Tensor, Tensor]]] = defaultdict(list)
+        for dest, piece in items:
+            ns_dtype = group["ns_dtype"] or default_ns_dtype(piece.device)
+            buckets[(tuple(piece.shape[-2:]), piece.device, ns_dtype)].append((dest, piece))
+        for (shape, _device, ns_dtype), bucket in buckets.items():
             out_dim, in_dim = shape
-            if len(items) == 1:
-                U_BOI = items[0][1].reshape(-1, out_dim, in_dim)
+            if len(bucket) == 1:
+                U_BOI = bucket[0][1].reshape(-1, out_dim, in_dim)
             else:
-                U_BOI = torch.cat([piece.reshape(-1, out_dim, in_dim) for _, piece in items])
+                U_BOI = torch.cat([piece.reshape(-1, out_dim, in_dim) for _, piece in bucket])
             O_BOI = newton_schulz(U_BOI, schedule, dtype=ns_dtype, eps=group["eps"])
-            alpha = -adjust_lr(lr, group["adjust_lr_fn"], out_dim, in_dim)
+            alpha = -adjust_lr(group["lr"], group["adjust_lr_fn"], out_dim, in_dim)
             offset = 0
-            for dest, piece in items:
+            for dest, piece in bucket:
                 n = piece.numel() // (out_dim * in_dim)
                 dest.add_(O_BOI[offset : offset + n].reshape(dest.shape), alpha=alpha)
                 offset += n
 
-    def _logical_pieces(self, group: dict[str, Any], p: Tensor, u: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """(view of p to update, matching slice of the update) for each logical matrix group."""
+    def _logical_pieces(
+        self, group: dict[str, Any], p: Tensor, dest: Tensor, u: Tensor
+    ) -> list[tuple[Tensor, Tensor]]:
+        """(view of dest, matching slice of the update) for each logical matrix of param p."""
         split = self._split_of(group, p)
         if split is None:
-            return [(p, u)]
+            return [(dest, u)]
         sizes, dim = split
-        return list(zip(p.split(sizes, dim=dim), u.split(sizes, dim=dim)))
+        return list(zip(dest.split(sizes, dim=dim), u.split(sizes, dim=dim)))

@@ -1,0 +1,161 @@
+"""Muon optimizer step and Newton-Schulz throughput: k2_optim vs its anchors, in one run.
+
+    .venv/bin/python benchmarks/optim_step.py [--repeats 3] [--skip-torch-bf16] [--cases tiny,moe]
+
+Cases (the parameter sets Muon sees):
+  tiny  the Muon-routed matrices of k2_model's "tiny" K2 preset (attention projections, dense
+        MLP, router, 16 stacked experts per MoE layer); torch gets each expert as a 2-D param.
+  moe   one K2-shaped MoE layer scaled down: 64 experts of 256x512 plus four 512x512 attention
+        matrices (torch: 68 2-D params).
+
+Rows (ratio = ours / anchor, lower is better; targets from issue 3):
+  (1) Muon step, k2_optim.Muon with its device default (fp32 NS on CPU, batched by shape)
+      vs torch.optim.Muon as shipped (bf16 NS, one matrix at a time)          target <= 0.10
+  (2) NS only, equal precision (fp32): k2_optim.newton_schulz (batched, fused baddbmm)
+      vs a plain PyTorch batched NS (matmul, then elementwise a/b/c)          target <= 0.85
+  (3) on CUDA (when present): bf16 NS TFLOP/s, ours vs the plain torch.matmul NS.
+Timings: best of --repeats, ours and anchor interleaved (the 2-core CI machine is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+from k2_optim import Muon, newton_schulz, resolve_ns_schedule
+
+# legend: B batch of matrices, M rows (Gram side), N columns
+
+
+def plain_batched_ns(G_BMN: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The anchor: the textbook batched quintic NS, one op per term."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = G_BMN.to(dtype)
+    if X.shape[-2] > X.shape[-1]:
+        X = X.mT
+    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    return X
+
+
+def ns_flops(shapes: list[tuple[int, int, int]], steps: int = 5) -> float:
+    """Matmul FLOPs of `steps` NS iterations on [B, M, N] batches (M = min side)."""
+    total = 0.0
+    for B, r, c in shapes:
+        M, N = min(r, c), max(r, c)
+        total += B * steps * 2 * (2 * M * M * N + M * M * M)
+    return total
+
+
+def case_shapes(name: str) -> list[tuple[int, int, int]]:
+    """[(count, out, in)]: the logical matrices of one case."""
+    if name == "moe":
+        return [(64, 256, 512), (4, 512, 512)]
+    if name == "tiny":
+        try:
+            from k2_model import K2Config, K2ForCausalLM
+
+            with torch.device("meta"):
+                model = K2ForCausalLM(K2Config.preset("tiny"))
+            from k2_optim import muonclip_param_groups
+
+            shapes: list[tuple[int, int, int]] = []
+            for g in muonclip_param_groups(model):
+                if g["algorithm"] != "muon":
+                    continue
+                for p in g["params"]:
+                    n = 1 if p.ndim == 2 else int(torch.tensor(p.shape[:-2]).prod())
+                    shapes.append((n, p.shape[-2], p.shape[-1]))
+            return shapes
+        except ImportError:  # k2-model not installed: the tiny preset's shapes, written out
+            raise SystemExit("the 'tiny' case needs k2-model installed (pip install k2-model)") from None
+    raise SystemExit(f"unknown case {name!r} (expected tiny or moe)")
+
+
+def timeit(fn: Callable[[], object], sync: Callable[[], None] = lambda: None) -> float:
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def interleaved(fns: list[Callable[[], object]], repeats: int, sync=lambda: None) -> list[float]:
+    for f in fns:  # warm-up
+        f()
+    sync()
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, f in enumerate(fns):
+            best[i] = min(best[i], timeit(f, sync))
+    return best
+
+
+def muon_step_case(shapes, repeats: int, skip_torch: bool) -> tuple[float, float | None]:
+    g = torch.Generator().manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(n, r, c, generator=g) if n > 1 else torch.randn(r, c, generator=g))
+            for n, r, c in shapes]
+    for p in ours:
+        p.grad = torch.randn(p.shape, generator=g)
+    opt = Muon(ours, lr=0.02, weight_decay=0.1)
+    t_ours = interleaved([opt.step], repeats)[0]
+    if skip_torch:
+        return t_ours, None
+    ref = [torch.nn.Parameter(m.detach().clone()) for p in ours for m in (p.unbind(0) if p.ndim == 3 else [p])]
+    for p in ref:
+        p.grad = torch.randn(p.shape, generator=g)
+    ropt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    t_ref = timeit(ropt.step)  # one step: bf16 NS on a CPU without bf16 GEMMs takes tens of seconds
+    return t_ours, t_ref
+
+
+def ns_case(shapes, repeats: int, device: str, dtype: torch.dtype) -> tuple[float, float]:
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(n, r, c, generator=g).to(device) for n, r, c in shapes]
+    sched = resolve_ns_schedule("keller", 5)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    t_ours, t_plain = interleaved(
+        [lambda: [newton_schulz(b, sched, dtype=dtype) for b in batches],
+         lambda: [plain_batched_ns(b, dtype=dtype) for b in batches]],
+        repeats,
+        sync,
+    )
+    return t_ours, t_plain
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cases", default="tiny,moe")
+    ap.add_argument("--skip-torch-bf16", action="store_true", help="skip row (1)'s torch.optim.Muon anchor")
+    args = ap.parse_args()
+    cpu = platform.processor() or platform.machine()
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu}")
+    rows = []
+    for case in args.cases.split(","):
+        shapes = case_shapes(case)
+        nmat = sum(n for n, _, _ in shapes)
+        t_ours, t_ref = muon_step_case(shapes, args.repeats, args.skip_torch_bf16)
+        rows.append((case, f"(1) Muon step, {nmat} matrices", "torch.optim.Muon (bf16 NS)", t_ours, t_ref, 0.10))
+        t_ns, t_plain = ns_case(shapes, args.repeats, "cpu", torch.float32)
+        rows.append((case, "(2) NS fp32, batched", "plain batched NS fp32", t_ns, t_plain, 0.85))
+        if torch.cuda.is_available():
+            t_ns, t_plain = ns_case(shapes, max(args.repeats, 10), "cuda", torch.bfloat16)
+            fl = ns_flops(shapes)
+            rows.append((case, f"(3) NS bf16 CUDA ({fl / t_ns / 1e12:.1f} TFLOP/s)",
+                         f"plain bf16 NS ({fl / t_plain / 1e12:.1f} TFLOP/s)", t_ns, t_plain, 1.0))
+    print("| case | measurement | ours (s) | anchor | anchor (s) | ratio | target |")
+    print("|---|---|---|---|---|---|---|")
+    for case, what, anchor, t_o, t_a, target in rows:
+        ratio = f"{t_o / t_a:.3f}" if t_a else "n/a"
+        anchor_s = f"{t_a:.3f}" if t_a else "skipped"
+        print(f"| {case} | {what} | {t_o:.3f} | {anchor} | {anchor_s} | {ratio} | <= {target} |")
+
+
+if __name__ == "__main__":
+    main()
