@@ -21,9 +21,9 @@ import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from functools import partial  # noqa: E402
 
 import torch  # noqa: E402
-
 from k2_kernels import info, ops, reference  # noqa: E402
 
 
@@ -70,15 +70,13 @@ def main() -> None:
         idx, w = ops.moe_route(logits, bias, K, G, TG, 2.827)
         x_ND, rows_N, _, _ = ops.moe_permute(x, idx, E)
         cases = [
-            ("route", lambda: ops.moe_route(logits, bias, K, G, TG, 2.827),
-             lambda: reference.moe_route(logits, bias, K, G, TG, 2.827)),
-            ("permute", lambda: ops.moe_permute(x, idx, E), lambda: reference.moe_permute(x, idx, E)),
-            ("unpermute", lambda: ops.moe_unpermute(x_ND, rows_N, w),
-             lambda: reference.moe_unpermute(x_ND, rows_N, w)),
+            ("route", "moe_route", (logits, bias, K, G, TG, 2.827)),
+            ("permute", "moe_permute", (x, idx, E)),
+            ("unpermute", "moe_unpermute", (x_ND, rows_N, w)),
         ]
-        for op, k2_fn, ref_fn in cases:
-            t_ref = bench(ref_fn, dev, reps)
-            t_k2 = bench(k2_fn, dev, reps)
+        for op, fn_name, fn_args in cases:
+            t_ref = bench(partial(getattr(reference, fn_name), *fn_args), dev, reps)
+            t_k2 = bench(partial(getattr(ops, fn_name), *fn_args), dev, reps)
             rows.append((f"{op} ({name}, E={E} K={K}" + (f" G={G}/{TG})" if G > 1 else ")"), t_ref, t_k2))
 
     print()

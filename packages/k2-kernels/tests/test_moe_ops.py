@@ -184,3 +184,15 @@ def test_route_permute_unpermute_roundtrip(device):
     assert torch.equal(offsets.cpu(), torch.cumsum(counts.cpu(), 0, dtype=torch.int32))
     out = ops.moe_unpermute(x_ND, rows, torch.ones(T, K, device=device))
     torch.testing.assert_close(out, K * x, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_broadcast_rows_are_copied_not_misread(device):
+    """Row stride 0 (an expanded tensor) is made contiguous before the kernels see it."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(1, 16, generator=gen).expand(5, 16).to(device)
+    idx = torch.rand(5, 8, generator=gen).argsort(1)[:, :2].to(device)
+    for g, r in zip(ops.moe_permute(x, idx, 8), reference.moe_permute(x.cpu(), idx.cpu(), 8)):
+        assert torch.equal(g.cpu(), r.to(g.dtype))
+    logits = torch.randn(1, 8, generator=gen).expand(3, 8).to(device)
+    assert torch.equal(ops.moe_route(logits, None, 2)[0].cpu(), reference.moe_route(logits.cpu(), None, 2)[0])

@@ -32,8 +32,10 @@ def _stream(t: Tensor) -> tuple[int, int]:
 
 
 def _rows(t: Tensor) -> Tensor:
-    """A 2-D view whose inner dimension is contiguous (row stride free), copying only if needed."""
-    return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
+    """A 2-D tensor with contiguous, non-overlapping rows (any row stride), copying only if needed."""
+    inner_ok = t.stride(1) == 1 or t.shape[1] <= 1
+    rows_ok = t.shape[0] <= 1 or t.stride(0) >= t.shape[1]
+    return t if inner_ok and rows_ok else t.contiguous()
 
 
 def _row_stride(t: Tensor) -> int:
