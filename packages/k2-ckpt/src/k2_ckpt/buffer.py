@@ -1,14 +1,16 @@
 """The two-slot transfer buffer the server broadcasts into and its receiver reads from.
 
 CPU: a file in `/dev/shm` mapped shared (`torch.from_file(shared=True)`) by both processes;
-the handle is its path. The server unlinks the file as soon as the receiver has mapped it
-(the mapping outlives the name), and in any case when the update ends.
+the handle is its path. The buffer lives as long as the `ParameterServer` (warm pages: a
+fresh mapping costs a page fault per 4 KiB on both sides); `close()` or process exit removes
+the file.
 CUDA: a device tensor; the handle is its CUDA IPC handle (`torch.multiprocessing` reduction,
 pickled), rebuilt on the receiver's own device index.
 """
 
 from __future__ import annotations
 
+import atexit
 import base64
 import os
 import pickle
@@ -18,6 +20,16 @@ import uuid
 import torch
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+_LIVE: set[str] = set()  # shm files this process created; removed at exit if still there
+
+
+@atexit.register
+def _cleanup() -> None:
+    for path in list(_LIVE):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 class SlotBuffer:
@@ -35,6 +47,7 @@ class SlotBuffer:
             finally:
                 os.close(fd)
             self.data = torch.from_file(self.path, shared=True, size=total, dtype=torch.uint8)
+            _LIVE.add(self.path)
         elif device.type == "cuda":
             self.data = torch.empty(total, dtype=torch.uint8, device=device)
         else:
@@ -54,6 +67,7 @@ class SlotBuffer:
 
     def unlink(self) -> None:
         if self.path is not None:
+            _LIVE.discard(self.path)
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
@@ -64,11 +78,19 @@ class SlotBuffer:
         self.data = torch.empty(0, dtype=torch.uint8)
 
 
+_MAPPED: dict[tuple[str, int], torch.Tensor] = {}  # receiver side: the last shm buffer mapped
+
+
 def open_buffer(handle: dict, device: torch.device | None = None) -> torch.Tensor:
-    """The receiver's view of a `SlotBuffer` from its handle."""
+    """The receiver's view of a `SlotBuffer` from its handle (the last shm mapping is reused,
+    so repeated updates do not page-fault the buffer in again)."""
     kind = handle.get("kind")
     if kind == "shm":
-        return torch.from_file(handle["path"], shared=True, size=int(handle["nbytes"]), dtype=torch.uint8)
+        key = (handle["path"], int(handle["nbytes"]))
+        if key not in _MAPPED:
+            _MAPPED.clear()
+            _MAPPED[key] = torch.from_file(key[0], shared=True, size=key[1], dtype=torch.uint8)
+        return _MAPPED[key]
     if kind == "cuda_ipc":
         func, args = pickle.loads(base64.b64decode(handle["pickle"]))
         args = list(args)
@@ -76,3 +98,19 @@ def open_buffer(handle: dict, device: torch.device | None = None) -> torch.Tenso
             args[6] = device.index  # the sender's index may differ under CUDA_VISIBLE_DEVICES
         return func(*args)
     raise ValueError(f"unknown buffer handle kind {kind!r} (expected 'shm' or 'cuda_ipc')")
+
+
+_SOURCES: dict[tuple[str, int], torch.Tensor] = {}  # receiver side: mapped arenas of the last update
+
+
+def open_sources(handles: list[dict]) -> list[torch.Tensor]:
+    """Map the owner's shared arenas read-only-by-convention; mappings of arenas that are no
+    longer offered are dropped, so an unregistered checkpoint's memory is released."""
+    keys = [(h["path"], int(h["nbytes"])) for h in handles]
+    for k in list(_SOURCES):
+        if k not in keys:
+            del _SOURCES[k]
+    for k in keys:
+        if k not in _SOURCES:
+            _SOURCES[k] = torch.from_file(k[0], shared=True, size=k[1], dtype=torch.uint8)
+    return [_SOURCES[k] for k in keys]

@@ -90,11 +90,11 @@ def control_address(run_dir: str, rank: int) -> str:
     return f"ipc://{os.path.join(run_dir, f'engine-{rank}.ctl')}"
 
 
-def _engine_main(rank: int, spec: Spec, ctl: str, staged: bool, timeout_s: float) -> None:
+def _engine_main(rank: int, spec: Spec, ctl: str, staged: bool, timeout_s: float, assign: bool) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     module = build_module(spec)
-    adapter = ModuleAdapter(module)
+    adapter = ModuleAdapter(module, assign=assign)
     me = device_id(torch.device("cpu"), rank)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -148,9 +148,10 @@ def call(ctl: str, cmd: str, timeout_s: float = 60.0, **kw) -> tuple[str, object
 class EngineProcess:
     """The rank's colocated engine. Fork it before `init_process_group` (no threads yet)."""
 
-    def __init__(self, rank: int, spec: Spec, run_dir: str, *, staged: bool = True, timeout_s: float = 60.0):
+    def __init__(self, rank: int, spec: Spec, run_dir: str, *, staged: bool = True, timeout_s: float = 60.0,
+                 assign: bool = False):
         self.rank, self.ctl = rank, control_address(run_dir, rank)
-        self.proc = mp.get_context("fork").Process(target=_engine_main, args=(rank, spec, self.ctl, staged, timeout_s),
+        self.proc = mp.get_context("fork").Process(target=_engine_main, args=(rank, spec, self.ctl, staged, timeout_s, assign),
                                                    daemon=True)
         self.proc.start()
 

@@ -1,7 +1,10 @@
 """A rank's registered checkpoint in host memory.
 
 - `named_tensors` are copied once into one contiguous arena (pinned when CUDA is present, so
-  the H2D copy is a DMA), which also detaches them from the trainer's live parameters.
+  the H2D copy is a DMA), which also detaches them from the trainer's live parameters. On
+  CPU the arena is a shared `/dev/shm` file laid out exactly like the buckets (same 256-byte
+  alignment, same order), so the owner broadcasts straight from it and its own receiver reads
+  it in place: no host -> slot copy (the CPU analogue of skipping H2D).
 - safetensors files are memory-mapped (`torch.from_file`), not read: files in `/dev/shm` cost
   no copy at all, files on disk are paged in by the first update. On CUDA machines they are
   copied into pinned memory once at registration so every update is a full-speed H2D copy.
@@ -16,10 +19,11 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from k2_ckpt.buffer import SlotBuffer
 from k2_ckpt.dtypes import as_bytes, dtype_from_name, dtype_name
 from k2_ckpt.errors import BadCheckpoint, FileMissing
 from k2_ckpt.planner import ALIGN
-from k2_ckpt.types import TensorMeta
+from k2_ckpt.types import BucketItem, TensorMeta
 
 # safetensors dtype codes -> torch dtype names
 _ST_DTYPES = {
@@ -36,9 +40,12 @@ def _pin(t: torch.Tensor) -> torch.Tensor:
 class HostCheckpoint:
     """Bytes of every tensor a rank owns, as flat uint8 host views, plus their metadata."""
 
-    def __init__(self, name: str, rank: int):
+    def __init__(self, name: str, rank: int, shared_arena: bool = False):
         self.name = name
         self.rank = rank
+        self.shared_arena = shared_arena
+        self.arenas: list[SlotBuffer] = []  # shared arenas (CPU), in registration order
+        self.location: dict[str, tuple[int, int]] = {}  # name -> (arena index, byte offset)
         self.metas: list[TensorMeta] = []
         self.bytes_by_name: dict[str, torch.Tensor] = {}
         self._keepalive: list[torch.Tensor] = []  # arenas and mmaps the views point into
@@ -64,13 +71,42 @@ class HostCheckpoint:
             dtype_name(t.dtype)
             offsets.append(total)
             total += (t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
-        arena = _pin(torch.empty(total, dtype=torch.uint8))
+        if self.shared_arena:
+            shm = SlotBuffer(max(total, ALIGN), 1, torch.device("cpu"))
+            self.arenas.append(shm)
+            arena = shm.data
+        else:
+            arena = _pin(torch.empty(total, dtype=torch.uint8))
         self._keepalive.append(arena)
         for (name, t), off in zip(pairs, offsets):
             n = t.numel() * t.element_size()
             dst = arena[off:off + n]
             dst.copy_(as_bytes(t.detach().to("cpu").contiguous()))
             self._add(name, t.dtype, list(t.shape), off, dst, "named_tensors")
+            if self.shared_arena:
+                self.location[name] = (len(self.arenas) - 1, off)
+
+    def in_place_source(self, items: list[BucketItem]) -> tuple[int, int] | None:
+        """(arena index, base offset) when a bucket's bytes already sit in one shared arena in
+        bucket layout (item k at base + item.buf_offset); None when they must be copied."""
+        first = self.location.get(items[0].name)
+        if first is None:
+            return None
+        arena, off0 = first
+        base = off0 + items[0].chunk_start - items[0].buf_offset
+        for it in items:
+            loc = self.location.get(it.name)
+            if loc is None or loc[0] != arena or loc[1] + it.chunk_start != base + it.buf_offset:
+                return None
+        return arena, base
+
+    def close(self) -> None:
+        """Drop every reference and remove shared arena files."""
+        for a in self.arenas:
+            a.close()
+        self.arenas.clear()
+        self._keepalive.clear()
+        self.bytes_by_name.clear()
 
     def add_safetensors(self, path: str | os.PathLike) -> None:
         path = os.fspath(path)

@@ -86,6 +86,7 @@ class UpdateStats:
     nbytes: int  # bytes broadcast (all ranks' tensors)
     num_buckets: int
     bucket_bytes: int
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase, in order
 
     @property
     def gbps(self) -> float:
@@ -208,6 +209,7 @@ class ParameterServer:
         self._ckpts: dict[str, HostCheckpoint] = {}
         self._zmq = zmq.Context()
         self.last_stats: UpdateStats | None = None
+        self._buffer: SlotBuffer | None = None
 
     # ---- registration (local: no collectives) ----
 
@@ -220,7 +222,7 @@ class ParameterServer:
                                    "unregister it first")
         if files is None and named_tensors is None:
             raise ValueError("register_checkpoint needs files=... or named_tensors=...")
-        ckpt = HostCheckpoint(name, self.rank)
+        ckpt = HostCheckpoint(name, self.rank, shared_arena=self.device.type == "cpu")
         for path in files or ():
             ckpt.add_safetensors(path)
         if named_tensors is not None:
@@ -229,8 +231,10 @@ class ParameterServer:
         return list(ckpt.metas)
 
     def unregister_checkpoint(self, name: str) -> None:
-        if self._ckpts.pop(name, None) is None:
+        ckpt = self._ckpts.pop(name, None)
+        if ckpt is None:
             raise CheckpointNotFound(f"checkpoint {name!r} is not registered on rank {self.rank}")
+        ckpt.close()
 
     def checkpoints(self) -> list[str]:
         return sorted(self._ckpts)
@@ -293,13 +297,15 @@ class ParameterServer:
         if bad:
             raise ValueError(f"ranks={sorted(receivers)}: {bad} outside 0..{self.world_size - 1}")
         t0 = time.perf_counter()
+        self._marks = [("start", t0)]
         metas = self.gather_metas(name)
         bucket_bytes = self._bucket_bytes(metas)
         plan = plan_buckets(metas, bucket_bytes)
+        self._mark("plan")
         ckpt = self._ckpts[name]
         receiving = self.rank in receivers
 
-        buf = SlotBuffer(bucket_bytes, cfg.num_slots, self.device)
+        buf = self._slot_buffer(bucket_bytes)
         link: _ReceiverLink | None = None
         req: _ReqThread | None = None
         failure: RankFailure | None = None
@@ -321,9 +327,10 @@ class ParameterServer:
             try:
                 if link is not None:
                     link.send(BufferMsg(handle=buf.handle(), slot_bytes=bucket_bytes, num_slots=cfg.num_slots,
-                                        checkpoint=name, num_buckets=len(plan)))
+                                        checkpoint=name, num_buckets=len(plan),
+                                        sources=[a.handle() for a in ckpt.arenas]))
                     link.recv("report ready")
-                    buf.unlink()  # the receiver has it mapped; nothing else needs the name
+                self._mark("connect")
             except _Failed as f:
                 failure = f.failure
             failure, ok = self._run_buckets(plan, ckpt, buf, link, alive, failure)
@@ -334,7 +341,17 @@ class ParameterServer:
         finally:
             if link is not None:
                 link.close()
-            buf.close()
+
+    def _slot_buffer(self, bucket_bytes: int) -> SlotBuffer:
+        """The transfer buffer, kept across updates: fresh memory would cost a page fault per
+        4 KiB on both sides (measured: first touch runs at ~1.5 GB/s, warm memcpy at ~10 GB/s)."""
+        buf = self._buffer
+        if buf is None or buf.slot_bytes != bucket_bytes or buf.num_slots != self.config.num_slots:
+            if buf is not None:
+                buf.close()
+            buf = self._buffer = SlotBuffer(bucket_bytes, self.config.num_slots, self.device)
+            buf.data.fill_(0)  # touch every page once, here rather than inside the first update
+        return buf
 
     def _run_buckets(self, plan: list[Bucket], ckpt: HostCheckpoint, buf: SlotBuffer,
                      link: _ReceiverLink | None, alive: Callable[[], None],
@@ -367,7 +384,11 @@ class ParameterServer:
             if not self._agree(failure is not None):
                 return failure, False
             slot = buf.slot(k % num_slots, bucket.nbytes)
-            if self.rank == bucket.owner:
+            in_place = ckpt.in_place_source(bucket.items) if self.rank == bucket.owner else None
+            if in_place is not None:  # CPU: broadcast straight from the shared arena
+                arena, base = in_place
+                slot = ckpt.arenas[arena].data[base:base + bucket.nbytes]
+            elif self.rank == bucket.owner:
                 for it in bucket.items:
                     src = ckpt.bytes_by_name[it.name][it.chunk_start:it.chunk_start + it.nbytes]
                     slot[it.buf_offset:it.buf_offset + it.nbytes].copy_(src, non_blocking=True)
@@ -376,10 +397,13 @@ class ParameterServer:
                 torch.cuda.current_stream(slot.device).synchronize()
             if link is not None and failure is None:
                 try:
-                    link.send(BucketMsg(bucket=k, slot=k % num_slots, items=bucket.items))
+                    link.send(BucketMsg(bucket=k, slot=k % num_slots, items=bucket.items,
+                                        source=in_place[0] if in_place else None,
+                                        source_offset=in_place[1] if in_place else 0))
                     inflight.append(k)
                 except _Failed as f:
                     failure = f.failure
+        self._mark("broadcast")
         # phase 1: every receiver has staged (or, in direct mode, loaded) every bucket
         if failure is None and link is not None:
             try:
@@ -395,6 +419,7 @@ class ParameterServer:
                 failure = f.failure
         if not self._agree(failure is not None):
             return failure, False
+        self._mark("last_acks")
         # phase 2: commit (apply staged tensors, run the post-load hook)
         if link is not None:
             try:
@@ -406,7 +431,12 @@ class ParameterServer:
             except _Failed as f:
                 failure = f.failure
                 failure.kind = "commit_" + failure.kind
-        return failure, self._agree(failure is not None)
+        ok = self._agree(failure is not None)
+        self._mark("commit")
+        return failure, ok
+
+    def _mark(self, phase: str) -> None:
+        self._marks.append((phase, time.perf_counter()))
 
     def _finish(self, name: str, t0: float, plan: list[Bucket], bucket_bytes: int,
                 metas: list[TensorMeta], req: _ReqThread | None, timeout: float) -> UpdateStats:
@@ -415,7 +445,8 @@ class ParameterServer:
             if req.error is not None:
                 log.warning("req_func raised after a successful update of %r:\n%s", name, req.error)
         stats = UpdateStats(checkpoint=name, seconds=time.perf_counter() - t0,
-                            nbytes=sum(m.nbytes for m in metas), num_buckets=len(plan), bucket_bytes=bucket_bytes)
+                            nbytes=sum(m.nbytes for m in metas), num_buckets=len(plan), bucket_bytes=bucket_bytes,
+                            phases={b[0]: b[1] - a[1] for a, b in zip(self._marks, self._marks[1:])})
         self.last_stats = stats
         return stats
 
@@ -453,7 +484,13 @@ class ParameterServer:
         raise UpdateError(name, failures, {r: a for r, (_, a) in enumerate(reports) if a})
 
     def close(self) -> None:
+        """Free host memory and the transfer buffer (their /dev/shm files are removed)."""
+        for ckpt in self._ckpts.values():
+            ckpt.close()
         self._ckpts.clear()
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
         self._zmq.term()
 
 

@@ -51,6 +51,7 @@ class BufferMsg(BaseModel):
     num_slots: int
     checkpoint: str
     num_buckets: int
+    sources: list[dict] = []  # handles of this rank's shared arenas (CPU in-place path)
 
 
 class BucketMsg(BaseModel):
@@ -58,6 +59,10 @@ class BucketMsg(BaseModel):
     bucket: int
     slot: int
     items: list[BucketItem]
+    # set on the owner's own receiver when the bytes are read in place from a shared arena:
+    # index into BufferMsg.sources and the bucket's base offset there (else: read the slot)
+    source: int | None = None
+    source_offset: int = 0
 
 
 class CommitMsg(BaseModel):

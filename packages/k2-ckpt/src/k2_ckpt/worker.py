@@ -22,7 +22,7 @@ import torch
 import zmq
 from pydantic import TypeAdapter
 
-from k2_ckpt.buffer import open_buffer
+from k2_ckpt.buffer import open_buffer, open_sources
 from k2_ckpt.dtypes import dtype_from_name, from_bytes
 from k2_ckpt.errors import TensorMismatch, UpdateAborted
 from k2_ckpt.types import (
@@ -117,6 +117,8 @@ class _Receiver:
         self.applied: list[str] = []
         self.failed = False
         self.buckets = 0
+        self.sources: list[torch.Tensor] = []
+        self.pool: dict[str, torch.Tensor] | None = getattr(loader, "staging_pool", None)
 
     def send(self, msg) -> None:
         self.sock.send(msg.model_dump_json().encode())
@@ -133,6 +135,7 @@ class _Receiver:
             msg = self.recv()
             if isinstance(msg, BufferMsg):
                 self.buf = open_buffer(msg.handle, self.device)
+                self.sources = open_sources(msg.sources)
                 self.slot_bytes, self.checkpoint = msg.slot_bytes, msg.checkpoint
                 self.send(ReadyReply(device_id=self.device_id))
             elif isinstance(msg, BucketMsg):
@@ -155,9 +158,23 @@ class _Receiver:
         self.send(ErrorReply(kind=kind, message=f"{type(e).__name__}: {e}", bucket=bucket, tensor=tensor,
                              traceback=traceback.format_exc(), applied=[] if self.staged else self.applied))
 
+    def _stage_buffer(self, name: str, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A private byte buffer for `name`, reused across updates when the loader keeps a pool
+        (`loader.staging_pool`): warm memory copies ~5x faster than freshly faulted pages."""
+        pool = self.pool
+        buf = pool.get(name) if pool is not None else None
+        if buf is None or buf.numel() != nbytes or buf.device != device:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            if pool is not None:
+                pool[name] = buf
+        return buf
+
     def on_bucket(self, msg: BucketMsg) -> None:
         assert self.buf is not None, "bucket before buffer"
-        base = msg.slot * self.slot_bytes
+        if msg.source is not None:  # the owner's bytes, read in place from its shared arena
+            buf, base = self.sources[msg.source], msg.source_offset
+        else:
+            buf, base = self.buf, msg.slot * self.slot_bytes
         ready: list[tuple[str, torch.Tensor]] = []
         name = None
         try:
@@ -166,14 +183,15 @@ class _Receiver:
                 dtype = dtype_from_name(it.dtype)
                 if it.chunk_start == 0:
                     self.loader.validate(it.name, dtype, tuple(it.shape))
-                src = self.buf[base + it.buf_offset:base + it.buf_offset + it.nbytes]
+                src = buf[base + it.buf_offset:base + it.buf_offset + it.nbytes]
                 if it.is_whole:
                     # staged: a private copy; direct: a view, copied out by load_weights below
-                    data = src.clone() if self.staged else src
+                    data = self._stage_buffer(it.name, it.tensor_nbytes, src.device).copy_(src) if self.staged else src
                     ready.append((it.name, from_bytes(data, dtype, it.shape)))
                     continue
-                part = self.partial.setdefault(it.name, [torch.empty(it.tensor_nbytes, dtype=torch.uint8,
-                                                                     device=src.device), 0])
+                if it.name not in self.partial:
+                    self.partial[it.name] = [self._stage_buffer(it.name, it.tensor_nbytes, src.device), 0]
+                part = self.partial[it.name]
                 part[0][it.chunk_start:it.chunk_start + it.nbytes].copy_(src)
                 part[1] += it.nbytes
                 if part[1] == it.tensor_nbytes:
@@ -196,7 +214,8 @@ class _Receiver:
             if self.partial:
                 raise RuntimeError(f"commit with incomplete tensors {sorted(self.partial)}")
             if self.staged:
-                self.loader.load_weights(self.staging.items())
+                commit = getattr(self.loader, "commit_staged", None) or self.loader.load_weights
+                commit(self.staging.items())
                 self.applied = list(self.staging)
                 self.staging.clear()
             self.loader.post_load()

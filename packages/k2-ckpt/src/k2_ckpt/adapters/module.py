@@ -32,17 +32,23 @@ class ModuleAdapter:
     """A `WeightLoader` over `module`'s parameters and persistent buffers.
 
     `name_map` renames incoming names first (return None to skip a tensor); unknown names
-    raise `TensorMismatch` unless `ignore_unknown`.
+    raise `TensorMismatch` unless `ignore_unknown`. With `assign=True` a staged commit swaps
+    the staged tensors in (like `load_state_dict(assign=True)`) instead of copying them, and
+    the old storages become the next update's staging buffers: the commit costs no copy, but
+    code holding views of the old tensors keeps seeing old data (do not use it under CUDA graphs).
     """
 
     def __init__(self, module: nn.Module, *, name_map: Callable[[str], str | None] | None = None,
-                 ignore_unknown: bool = False, fp8_block: int = 128):
+                 ignore_unknown: bool = False, fp8_block: int = 128, assign: bool = False):
         self.module = module
+        self.assign = assign
         self.targets: dict[str, torch.Tensor] = dict(module.named_parameters())
         self.targets.update(module.state_dict(keep_vars=True))  # persistent buffers too
         self.name_map, self.ignore_unknown, self.block = name_map, ignore_unknown, fp8_block
         self._pending_fp8: dict[str, torch.Tensor] = {}  # weight name -> fp8 data awaiting its scale
         self._pending_scale: dict[str, torch.Tensor] = {}
+        # receiver staging buffers, reused across updates (staged mode keeps one model-sized copy)
+        self.staging_pool: dict[str, torch.Tensor] = {}
 
     def _name(self, name: str) -> str | None:
         return self.name_map(name) if self.name_map is not None else name
@@ -104,6 +110,24 @@ class ModuleAdapter:
                 dst.view(torch.uint8).copy_(src.view(torch.uint8))
             else:
                 dst.copy_(src)
+
+    @torch.no_grad()
+    def commit_staged(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Apply tensors that the receiver staged in `staging_pool` buffers (staged mode only)."""
+        if not self.assign:
+            self.load_weights(named)
+            return
+        rest = []
+        for name, src in named:
+            mapped = self._name(name)
+            dst = self.targets.get(mapped) if mapped is not None else None
+            if dst is None or src.dtype != dst.dtype or src.shape != dst.shape or not dst.is_contiguous():
+                rest.append((name, src))  # dequantised or renamed-away tensors: the copy path
+                continue
+            old = dst.data
+            dst.data = src
+            self.staging_pool[name] = old.reshape(-1).view(torch.uint8)  # next update stages here
+        self.load_weights(rest)
 
     def _copy_dequant(self, name: str, w: torch.Tensor, scale: torch.Tensor) -> None:
         dst = self.targets[name]
