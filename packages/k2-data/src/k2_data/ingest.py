@@ -236,6 +236,11 @@ def _shard_name(index: int, fmt: str) -> str:
     return f"shard-{index:05d}.{'arrow' if fmt == 'arrow' else 'parquet'}"
 
 
+def _np_array(values: np.ndarray, type_: pa.DataType) -> pa.Array:
+    # from_buffers, not pa.array: pa.array imports pandas when it is installed (seconds per worker)
+    return pa.Array.from_buffers(type_, len(values), [None, pa.py_buffer(np.ascontiguousarray(values))])
+
+
 def _build_table(ids: list[list[int]], doc_ids: list[int], sources: list[str]) -> pa.Table:
     lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
     total = int(lengths.sum())
@@ -244,10 +249,15 @@ def _build_table(ids: list[list[int]], doc_ids: list[int], sources: list[str]) -
     offsets = np.zeros(len(ids) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
     values = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=total)
-    input_ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
-    return pa.Table.from_arrays(
-        [input_ids, pa.array(doc_ids, pa.int64()), pa.array(sources, pa.string())], schema=SHARD_SCHEMA
+    input_ids = pa.ListArray.from_arrays(_np_array(offsets, pa.int32()), _np_array(values, pa.int32()))
+    encoded = [s.encode("utf-8") for s in sources]
+    str_offsets = np.zeros(len(encoded) + 1, dtype=np.int32)
+    np.cumsum([len(b) for b in encoded], out=str_offsets[1:])
+    source = pa.Array.from_buffers(
+        pa.string(), len(encoded), [None, pa.py_buffer(str_offsets), pa.py_buffer(b"".join(encoded))]
     )
+    doc_id = _np_array(np.asarray(doc_ids, dtype=np.int64), pa.int64())
+    return pa.Table.from_arrays([input_ids, doc_id, source], schema=SHARD_SCHEMA)
 
 
 def _write_shard(table: pa.Table, path: Path, fmt: str, meta: dict) -> None:

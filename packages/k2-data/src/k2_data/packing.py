@@ -38,6 +38,15 @@ def _splitmix64(x_N: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
+def _numpy(arr: pa.Array, dtype: np.dtype) -> np.ndarray:
+    """A zero-copy numpy view of a null-free primitive Arrow array (its .to_numpy() imports pandas)."""
+    if arr.null_count:
+        raise ValueError(f"unexpected nulls in a {arr.type} column")
+    if len(arr) == 0:
+        return np.zeros(0, dtype)
+    return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * np.dtype(dtype).itemsize)
+
+
 def load_token_arrays(directory: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
     """All documents of a tokenized dataset: (tokens_T int32, offsets_N+1 int64, doc_ids_N, manifest)."""
     directory = Path(directory)
@@ -57,10 +66,10 @@ def load_token_arrays(directory: str | Path) -> tuple[np.ndarray, np.ndarray, np
         if table.num_rows != shard["rows"]:
             raise ValueError(f"{path}: {table.num_rows} rows, manifest says {shard['rows']}")
         for chunk in table.column("input_ids").chunks:
-            offsets = chunk.offsets.to_numpy()
-            values.append(chunk.values.to_numpy()[offsets[0] : offsets[-1]].astype(np.int32, copy=True))
+            offsets = _numpy(chunk.offsets, np.int32)
+            values.append(_numpy(chunk.values, np.int32)[offsets[0] : offsets[-1]].copy())
             lengths.append(np.diff(offsets).astype(np.int64))
-        doc_ids.append(table.column("doc_id").to_numpy())
+        doc_ids.extend(_numpy(c, np.int64) for c in table.column("doc_id").chunks)
     tokens_T = np.concatenate(values) if values else np.zeros(0, np.int32)
     lengths_N = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     offsets_N1 = np.zeros(len(lengths_N) + 1, np.int64)
