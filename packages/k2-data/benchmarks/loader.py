@@ -23,7 +23,6 @@ def main() -> int:
     args = parser.parse_args()
 
     import torch
-
     from k2_data import PackedDataset, StatefulLoader, TokenizeConfig, tokenize_corpus
 
     data = args.data
