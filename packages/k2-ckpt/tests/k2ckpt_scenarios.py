@@ -193,3 +193,52 @@ def failures(rank: int, world: int, run_dir: str) -> dict:
         return out
     finally:
         eng.stop()
+
+
+def api_rank(rank: int, world: int, run_dir: str) -> dict:
+    """Serve this rank's parameter-server API and a receiver app (in a forked engine) on Unix
+    sockets until the test writes `stop`; the test process drives everything over HTTP."""
+    import multiprocessing as mp
+
+    from k2_ckpt.api import BackgroundServer, make_server_app
+
+    spec = api_spec(world)
+    eng = mp.get_context("fork").Process(target=_receiver_main, args=(rank, spec, run_dir), daemon=True)
+    eng.start()
+    ps = ParameterServer(config=ServerConfig(max_bucket_bytes=32 << 10, timeout_s=20))
+    srv = BackgroundServer(make_server_app(ps), uds=os.path.join(run_dir, f"ps-{rank}.sock")).start()
+    open(os.path.join(run_dir, f"ready-{rank}"), "w").close()
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(run_dir, "stop")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"served": True}
+    finally:
+        srv.stop()
+        eng.kill()
+        ps.close()
+
+
+def api_spec(world: int) -> dict:
+    spec = {}
+    for r in range(world):
+        for i, dt in enumerate(DTYPES):
+            spec[f"model.layers.{r}.self_attn.{i}.q_b_proj.weight"] = (dt, [40, 64 + 32 * i])
+    return spec
+
+
+def _receiver_main(rank: int, spec: dict, run_dir: str) -> None:
+    from k2_ckpt.adapters import ModuleAdapter
+    from k2_ckpt.api import BackgroundServer, make_receiver_app
+    from k2_ckpt.device import device_id
+    from k2_ckpt.harness import build_module, digest
+
+    module = build_module(spec)
+    app = make_receiver_app(ModuleAdapter(module), device_id(torch.device("cpu"), rank), timeout_s=20)
+
+    @app.get("/v1/digests")
+    def digests() -> dict:
+        return {n: digest(t) for n, t in module.state_dict().items()}
+
+    srv = BackgroundServer(app, uds=os.path.join(run_dir, f"recv-{rank}.sock")).start()
+    srv.thread.join()
