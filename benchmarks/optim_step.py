@@ -19,13 +19,20 @@ Timings: best of --repeats, ours and anchor interleaved (the 2-core CI machine i
 
 from __future__ import annotations
 
-import argparse
-import platform
-import time
-from collections.abc import Callable
+import os
+import sys
 
-import torch
-from k2_optim import Muon, newton_schulz, resolve_ns_schedule
+# benchmarks/ holds a tokenize.py that would shadow the stdlib module torch's import needs
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+import argparse  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+
+import torch  # noqa: E402
+from k2_optim import Muon, newton_schulz, resolve_ns_schedule  # noqa: E402
 
 # legend: B batch of matrices, M rows (Gram side), N columns
 

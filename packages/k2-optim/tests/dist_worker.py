@@ -100,11 +100,48 @@ def maxlogit_worker(rank, world, out_dir):
     dist.barrier()
 
 
+def mla_steps(model, opt, steps=2):
+    g = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        ids = torch.randint(0, 64, (2, 12), generator=g)
+        opt.zero_grad()
+        logits = model(ids)
+        torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+        opt.step()
+
+
+def make_mla():
+    from k2_optim.testing import loud_mla_model
+
+    return loud_mla_model(seed=3, gain=6.0)
+
+
+MLA_KW = dict(lr=1e-2, weight_decay=0.1, tau=5.0)
+
+
+def muonclip_fsdp_worker(rank, world, out_dir):
+    from k2_optim import MuonClip
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_mla()
+    model.train()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = MuonClip(model, **MLA_KW)
+    mla_steps(model, opt)
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save({"params": full, "stats": opt.last_clip_stats()}, f"{out_dir}/muonclip_fsdp.pt")
+    dist.barrier()
+
+
 def worker(rank, world, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world)
     try:
         fsdp_worker(rank, world, out_dir)
         maxlogit_worker(rank, world, out_dir)
+        muonclip_fsdp_worker(rank, world, out_dir)
     finally:
         dist.destroy_process_group()
 

@@ -63,3 +63,20 @@ def test_max_logits_all_reduced_with_max(dist_run):
     assert torch.equal(r0["w"], r1["w"])
     assert r0["stats"]["num_clipped"] == r1["stats"]["num_clipped"] == 2
     assert r0["stats"]["max_logit"] == r1["stats"]["max_logit"] == 200.0
+
+
+@pytest.mark.dist
+def test_fsdp2_muonclip_matches_single_process(dist_run):
+    from k2_optim import MuonClip
+
+    got = torch.load(dist_run / "muonclip_fsdp.pt", weights_only=False)
+    w = _load_worker()
+    model = w.make_mla()
+    model.train()
+    opt = MuonClip(model, **w.MLA_KW)
+    w.mla_steps(model, opt)
+    assert opt.last_clip_stats()["num_clipped"] > 0  # the clip acted on the (sharded) q/kv_b rows
+    assert got["stats"]["clipped_heads"] == opt.last_clip_stats()["clipped_heads"]
+    for n, p in model.named_parameters():
+        rel = (got["params"][n] - p.detach()).norm() / p.detach().norm()
+        assert rel <= 1e-5, (n, float(rel))

@@ -184,3 +184,24 @@ def test_qk_norm_model_is_refused():
     model = transformers.Qwen3ForCausalLM(cfg)
     with pytest.raises(ValueError, match="QK-norm"):
         attach_qk_clip(model)
+
+
+def test_hf_deepseek_v3_routing_splits_fused_gate_up():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8,
+    )
+    model = transformers.DeepseekV3ForCausalLM(cfg)
+    opt = MuonClip(model, lr=1e-3, tau=None)
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_name = {names[id(p)]: g for g in opt.param_groups for p in g["params"]}
+    gate_up = by_name["model.layers.1.mlp.experts.gate_up_proj"]
+    assert gate_up["algorithm"] == "muon" and tuple(gate_up["split_sizes"]) == (16, 16)
+    assert by_name["model.layers.1.mlp.gate.weight"]["algorithm"] == "muon"
+    assert by_name["model.embed_tokens.weight"]["algorithm"] == "adamw"
+    assert by_name["lm_head.weight"]["algorithm"] == "adamw"
+    assert by_name["model.layers.0.self_attn.kv_a_layernorm.weight"]["algorithm"] == "adamw"
+    assert by_name["model.layers.0.self_attn.kv_b_proj.weight"]["algorithm"] == "muon"
