@@ -117,3 +117,18 @@ def test_bad_ranks_file_is_named(tmp_path):
     (tmp_path / "tiktoken.model").write_text("not base64!! x\n")
     with pytest.raises(ValueError, match="tiktoken.model"):
         load_tokenizer(tmp_path)
+
+
+def test_ingest_and_pack_with_kimi_tokenizer(kimi, tmp_path):
+    from k2_data import PackedDataset, TokenizeConfig, load_manifest, tokenize_corpus
+
+    tok, ranks, texts = kimi
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tokenize_corpus([src], tmp_path / "out", tokenizer=tok.directory, config=TokenizeConfig(workers=2, shard_bytes=2000))
+    m = load_manifest(tmp_path / "out")
+    assert m["tokenizer"]["kind"] == "tiktoken" and m["tokenizer"]["eos_id"] == len(ranks) + 1
+    assert m["num_tokens"] == sum(len(tok.encode(t)) for t in texts)
+    ds = PackedDataset(tmp_path / "out", seq_len=32, shuffle=False)
+    assert ds[0]["input_ids"].tolist() == tok.encode(texts[0])[:32]
+    assert load_tokenizer(tmp_path / "out" / "tokenizer").fingerprint() == tok.fingerprint()
