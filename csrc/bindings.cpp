@@ -39,6 +39,15 @@ k2::UnpermuteArgs unpermute_args(uintptr_t y, int y_dtype, int64_t y_row_stride,
                            ptr<const void>(weight), k2::DType(weight_dtype), T, K, D, ptr<void>(out)};
 }
 
+k2::UnpermuteBackwardArgs unpermute_bwd_args(uintptr_t g, int64_t g_row_stride, uintptr_t y, int y_dtype,
+                                             int64_t y_row_stride, uintptr_t row_to_slot, uintptr_t weight,
+                                             int weight_dtype, int64_t T, int64_t K, int64_t D, uintptr_t grad_y,
+                                             uintptr_t grad_w) {
+  return k2::UnpermuteBackwardArgs{ptr<const void>(g), g_row_stride, ptr<const void>(y), k2::DType(y_dtype),
+                                   y_row_stride, ptr<const int64_t>(row_to_slot), ptr<const void>(weight),
+                                   k2::DType(weight_dtype), T, K, D, ptr<void>(grad_y), ptr<float>(grad_w)};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -84,6 +93,17 @@ PYBIND11_MODULE(_C, m) {
         k2::moe_unpermute_cpu(a);
       },
       unpermute_doc);
+  const char* unpermute_bwd_doc = "(grad_out, grad_row_stride, y, y_dtype, y_row_stride, row_to_slot, weight, "
+                                  "weight_dtype, T, K, D, grad_y_out or 0, grad_weight_out (fp32) or 0)";
+  m.def(
+      "moe_unpermute_backward_cpu",
+      [](uintptr_t g, int64_t gs, uintptr_t y, int yd, int64_t ys, uintptr_t r, uintptr_t w, int wd, int64_t T,
+         int64_t K, int64_t D, uintptr_t gy, uintptr_t gw) {
+        auto a = unpermute_bwd_args(g, gs, y, yd, ys, r, w, wd, T, K, D, gy, gw);
+        py::gil_scoped_release nogil;
+        k2::moe_unpermute_backward_cpu(a);
+      },
+      unpermute_bwd_doc);
 
 #ifdef K2_WITH_CUDA
   m.attr("cuda_route_max_k") = k2::kCudaRouteMaxK;
@@ -119,5 +139,14 @@ PYBIND11_MODULE(_C, m) {
         k2::moe_unpermute_cuda(a, ptr<void>(ws), dev, stream);
       },
       "(device, stream, ..., workspace) asynchronous; see moe_unpermute_cpu");
+  m.def(
+      "moe_unpermute_backward_cuda",
+      [](int dev, uintptr_t stream, uintptr_t g, int64_t gs, uintptr_t y, int yd, int64_t ys, uintptr_t r, uintptr_t w,
+         int wd, int64_t T, int64_t K, int64_t D, uintptr_t gy, uintptr_t gw) {
+        auto a = unpermute_bwd_args(g, gs, y, yd, ys, r, w, wd, T, K, D, gy, gw);
+        py::gil_scoped_release nogil;
+        k2::moe_unpermute_backward_cuda(a, dev, stream);
+      },
+      "(device, stream, ...) asynchronous; see moe_unpermute_backward_cpu");
 #endif
 }

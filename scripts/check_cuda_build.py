@@ -28,7 +28,10 @@ FATBIN_MAGIC = 0xBA55ED50
 KIND_PTX, KIND_ELF = 1, 2
 FLAG_ARCH_SPECIFIC = 0x100000
 FLAG_COMPRESSED = 0x2000 | 0x8000  # either bit: payload compressed (names not greppable)
-KERNELS = ("route_kernel", "hist_kernel", "scan_kernel", "place_kernel", "gather_kernel", "unpermute_kernel")
+KERNELS = (
+    "route_kernel", "hist_kernel", "scan_kernel", "place_kernel", "gather_kernel", "unpermute_kernel",
+    "unpermute_backward_kernel",
+)
 
 
 @dataclass

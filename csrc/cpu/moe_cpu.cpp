@@ -181,4 +181,47 @@ void moe_unpermute_cpu(const UnpermuteArgs& a) {
   }
 }
 
+namespace {
+
+template <typename Y>
+void unpermute_backward_impl(const UnpermuteBackwardArgs& a) {
+  const int64_t N = a.T * a.K, D = a.D;
+  const Y* g = static_cast<const Y*>(a.grad_out);
+  const Y* y = static_cast<const Y*>(a.y);
+  Y* gy = static_cast<Y*>(a.grad_y);
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t s = a.row_to_slot[n];
+    const Y* gr = g + (s / a.K) * a.grad_row_stride;
+    const Y* yr = y + n * a.y_row_stride;
+    if (gy != nullptr) {
+      const float w = load_f32(a.weight, a.weight_dtype, s);
+      for (int64_t d = 0; d < D; ++d) from_f32(w * to_f32(gr[d]), gy + n * D + d);
+    }
+    if (a.grad_weight != nullptr) {
+      float dot = 0.0f;
+      for (int64_t d = 0; d < D; ++d) dot += to_f32(gr[d]) * to_f32(yr[d]);
+      a.grad_weight[s] = dot;
+    }
+  }
+}
+
+}  // namespace
+
+void moe_unpermute_backward_cpu(const UnpermuteBackwardArgs& a) {
+  validate(a);
+  const int64_t N = a.T * a.K;
+  std::vector<char> seen(N, 0);
+  for (int64_t n = 0; n < N; ++n) {  // the gradient w.r.t. w writes each slot once
+    const int64_t s = a.row_to_slot[n];
+    K2_CHECK(s >= 0 && s < N && !seen[s], "moe_unpermute_backward: row_to_slot is not a permutation of 0..T*K-1");
+    seen[s] = 1;
+  }
+  switch (a.y_dtype) {
+    case DType::kFloat32: unpermute_backward_impl<float>(a); break;
+    case DType::kBFloat16: unpermute_backward_impl<BF16>(a); break;
+    default: unpermute_backward_impl<F16>(a); break;
+  }
+}
+
 }  // namespace k2

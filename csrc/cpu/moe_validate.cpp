@@ -45,4 +45,14 @@ void validate(const UnpermuteArgs& a) {
   K2_CHECK(a.T * a.K < (int64_t(1) << 31), "moe_unpermute: T*K must fit int32");
 }
 
+void validate(const UnpermuteBackwardArgs& a) {
+  using std::to_string;
+  K2_CHECK(is_float_activation(a.y_dtype),
+           std::string("moe_unpermute_backward: y dtype must be float32/bfloat16/float16, got ") + dtype_name(a.y_dtype));
+  K2_CHECK(is_float_activation(a.weight_dtype), "moe_unpermute_backward: weight dtype must be float32/bfloat16/float16");
+  K2_CHECK(a.T >= 0 && a.K >= 1 && a.D >= 0, "moe_unpermute_backward: bad sizes T=" + to_string(a.T) + " K=" + to_string(a.K));
+  K2_CHECK(a.y_row_stride >= a.D || a.T * a.K <= 1, "moe_unpermute_backward: y row stride < D");
+  K2_CHECK(a.grad_row_stride >= a.D || a.T <= 1, "moe_unpermute_backward: grad_out row stride < D");
+}
+
 }  // namespace k2

@@ -52,5 +52,39 @@ void dispatch_float(DType t, F&& f) {
   }
 }
 
+// 16-byte vector access through uint4 words, unpacked with compile-time indices (no local memory).
+__device__ __forceinline__ float bits_to_f32(float, uint32_t b) { return __uint_as_float(b); }
+__device__ __forceinline__ float bits_to_f32(__nv_bfloat16, uint32_t b) { return __uint_as_float((b & 0xffffu) << 16); }
+__device__ __forceinline__ float bits_to_f32(__half, uint32_t b) { return __half2float(__ushort_as_half(uint16_t(b))); }
+__device__ __forceinline__ uint32_t f32_to_bits(float, float x) { return __float_as_uint(x); }
+__device__ __forceinline__ uint32_t f32_to_bits(__nv_bfloat16, float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
+__device__ __forceinline__ uint32_t f32_to_bits(__half, float x) { return __half_as_ushort(__float2half_rn(x)); }
+
+template <typename Y, int VEC>
+__device__ __forceinline__ void load_vec(const Y* p, float (&v)[VEC]) {
+  if constexpr (VEC == 1) {
+    v[0] = to_f32(*p);
+  } else {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+    constexpr int per = VEC / 4;  // elements per 32-bit word
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) v[j] = bits_to_f32(Y{}, w[j / per] >> (32 / per * (j % per)));
+  }
+}
+
+template <typename Y, int VEC>
+__device__ __forceinline__ void store_vec(Y* p, const float (&v)[VEC]) {
+  if constexpr (VEC == 1) {
+    *p = from_f32<Y>(v[0]);
+  } else {
+    constexpr int per = VEC / 4;
+    uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) w[j / per] |= f32_to_bits(Y{}, v[j]) << (32 / per * (j % per));
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
 }  // namespace cuda
 }  // namespace k2

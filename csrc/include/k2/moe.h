@@ -48,15 +48,33 @@ struct UnpermuteArgs {
   void* out;               // [T, D] contiguous, dtype y_dtype, out
 };
 
+// Backward of the unpermute: grad_y[n] = w[s] * grad_out[s / K] and grad_w[s] = <grad_out[s / K], y[n]>
+// with s = row_to_slot[n]; fp32 accumulation. grad_out has y's dtype. Either output may be null.
+struct UnpermuteBackwardArgs {
+  const void* grad_out;    // [T, D], dtype y_dtype
+  int64_t grad_row_stride;
+  const void* y;           // [N, D]
+  DType y_dtype;
+  int64_t y_row_stride;
+  const int64_t* row_to_slot;  // [N]
+  const void* weight;      // [T, K] contiguous
+  DType weight_dtype;
+  int64_t T, K, D;
+  void* grad_y;            // [N, D] contiguous, dtype y_dtype, out (or null)
+  float* grad_weight;      // [T, K] fp32, out (or null)
+};
+
 void validate(const RouteArgs& a);
 void validate(const PermuteArgs& a);
 void validate(const UnpermuteArgs& a);
+void validate(const UnpermuteBackwardArgs& a);
 
 // CPU (OpenMP). moe_permute_cpu throws std::invalid_argument on an out-of-range expert index,
 // moe_unpermute_cpu when row_to_slot is not a permutation.
 void moe_route_cpu(const RouteArgs& a);
 void moe_permute_cpu(const PermuteArgs& a);
 void moe_unpermute_cpu(const UnpermuteArgs& a);
+void moe_unpermute_backward_cpu(const UnpermuteBackwardArgs& a);
 
 #ifdef K2_WITH_CUDA
 // CUDA: asynchronous on `stream` (a cudaStream_t as an integer) of device `device`. Scratch
@@ -68,6 +86,7 @@ size_t moe_unpermute_workspace_bytes(int64_t T, int64_t K);
 void moe_route_cuda(const RouteArgs& a, int device, uintptr_t stream);
 void moe_permute_cuda(const PermuteArgs& a, void* workspace, int device, uintptr_t stream);
 void moe_unpermute_cuda(const UnpermuteArgs& a, void* workspace, int device, uintptr_t stream);
+void moe_unpermute_backward_cuda(const UnpermuteBackwardArgs& a, int device, uintptr_t stream);
 // Limits of the CUDA kernels (the Python side falls back to the reference beyond them).
 constexpr int64_t kCudaRouteMaxK = 32;
 constexpr int64_t kCudaRouteMaxE = 4096;

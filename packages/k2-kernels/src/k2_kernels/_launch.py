@@ -168,3 +168,52 @@ def run_unpermute(y_ND: Tensor, row_to_slot_N: Tensor, topk_weight_TK: Tensor) -
         ws = torch.empty(C.moe_unpermute_workspace_bytes(T, K), dtype=torch.uint8, device=y_ND.device)
         C.moe_unpermute_cuda(*_stream(y_ND), *args, ws.data_ptr())
     return out_TD
+
+
+def run_unpermute_backward(
+    grad_out_TD: Tensor,
+    y_ND: Tensor,
+    row_to_slot_N: Tensor,
+    topk_weight_TK: Tensor,
+    need_grad_y: bool,
+    need_grad_w: bool,
+) -> tuple[Tensor, Tensor] | None:
+    """(grad_y_ND or an empty tensor, grad_w_TK fp32 or an empty tensor); None when no kernel serves."""
+    backend = _backend(y_ND)
+    if (
+        backend is None
+        or y_ND.dtype not in _lib.FLOAT_TAGS
+        or grad_out_TD.dtype != y_ND.dtype
+        or topk_weight_TK.dtype not in _lib.FLOAT_TAGS
+        or row_to_slot_N.dtype != torch.int64
+    ):
+        return None
+    T, K = topk_weight_TK.shape
+    D = y_ND.shape[1]
+    dev = y_ND.device
+    grad_out_TD, y_ND = _rows(grad_out_TD), _rows(y_ND)
+    row_to_slot_N = row_to_slot_N.contiguous()
+    topk_weight_TK = topk_weight_TK.to(torch.float32).contiguous()
+    grad_y = torch.empty((T * K, D) if need_grad_y else (0,), dtype=y_ND.dtype, device=dev)
+    grad_w = torch.zeros((T, K) if need_grad_w else (0,), dtype=torch.float32, device=dev)
+    args = (
+        grad_out_TD.data_ptr(),
+        _row_stride(grad_out_TD),
+        y_ND.data_ptr(),
+        _lib.DTYPE_TAG[y_ND.dtype],
+        _row_stride(y_ND),
+        row_to_slot_N.data_ptr(),
+        topk_weight_TK.data_ptr(),
+        _lib.DTYPE_TAG[torch.float32],
+        T,
+        K,
+        D,
+        grad_y.data_ptr() if need_grad_y else 0,
+        grad_w.data_ptr() if need_grad_w else 0,
+    )
+    C = _lib.compiled()
+    if backend == "cpu":
+        C.moe_unpermute_backward_cpu(*args)
+    else:
+        C.moe_unpermute_backward_cuda(*_stream(y_ND), *args)
+    return grad_y, grad_w

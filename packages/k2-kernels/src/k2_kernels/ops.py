@@ -265,24 +265,56 @@ def _unpermute_setup_context(ctx, inputs, output):
     ctx.save_for_backward(y_ND, row_to_slot_N, topk_weight_TK)
 
 
-def _unpermute_backward(ctx, grad_out_TD):
-    y_ND, row_to_slot_N, topk_weight_TK = ctx.saved_tensors
-    if grad_out_TD is None:
-        return None, None, None
+@torch.library.custom_op("k2::moe_unpermute_backward", mutates_args=())
+def _moe_unpermute_backward(
+    grad_out_TD: Tensor,
+    y_ND: Tensor,
+    row_to_slot_N: Tensor,
+    topk_weight_TK: Tensor,
+    need_grad_y: bool,
+    need_grad_w: bool,
+) -> tuple[Tensor, Tensor]:
+    """(grad_y_ND, grad_w_TK); an output not asked for is an empty tensor.
+
+    Row i came from (t, k) = divmod(row_to_slot_N[i], K): its gradient is w[t, k] * g[t], and
+    w[t, k] gets <g[t], y[i]>, accumulated in fp32 like the forward.
+    """
+    out = _launch.run_unpermute_backward(grad_out_TD, y_ND, row_to_slot_N, topk_weight_TK, need_grad_y, need_grad_w)
+    if out is not None:
+        grad_y, grad_w = out
+        return grad_y, grad_w.to(topk_weight_TK.dtype)
     T, K = topk_weight_TK.shape
-    # Row i came from (t, k) = divmod(row_to_slot_N[i], K): its gradient is w[t, k] * g[t],
-    # and w[t, k] gets <g[t], y[i]>. Accumulate in fp32 like the forward.
     g_ND = grad_out_TD.float().index_select(0, row_to_slot_N // K)
-    grad_y = grad_w = None
-    if ctx.needs_input_grad[0]:
+    grad_y = y_ND.new_empty(0)
+    grad_w = topk_weight_TK.new_empty(0)
+    if need_grad_y:
         w_N = topk_weight_TK.reshape(-1).float().index_select(0, row_to_slot_N)
         grad_y = (g_ND * w_N.unsqueeze(1)).to(y_ND.dtype)
-    if ctx.needs_input_grad[2]:
+    if need_grad_w:
         gw_N = (g_ND * y_ND.float()).sum(1)
         grad_w = torch.zeros(T * K, dtype=torch.float32, device=y_ND.device)
         grad_w.index_copy_(0, row_to_slot_N, gw_N)
         grad_w = grad_w.view(T, K).to(topk_weight_TK.dtype)
-    return grad_y, None, grad_w
+    return grad_y, grad_w
+
+
+@_moe_unpermute_backward.register_fake
+def _(grad_out_TD, y_ND, row_to_slot_N, topk_weight_TK, need_grad_y, need_grad_w):
+    return (
+        y_ND.new_empty(tuple(y_ND.shape) if need_grad_y else (0,)),
+        topk_weight_TK.new_empty(tuple(topk_weight_TK.shape) if need_grad_w else (0,)),
+    )
+
+
+def _unpermute_backward(ctx, grad_out_TD):
+    y_ND, row_to_slot_N, topk_weight_TK = ctx.saved_tensors
+    if grad_out_TD is None:
+        return None, None, None
+    need_y, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    grad_y, grad_w = torch.ops.k2.moe_unpermute_backward(
+        grad_out_TD.to(y_ND.dtype), y_ND, row_to_slot_N, topk_weight_TK, need_y, need_w
+    )
+    return (grad_y if need_y else None), None, (grad_w if need_w else None)
 
 
 _moe_unpermute.register_autograd(_unpermute_backward, setup_context=_unpermute_setup_context)
@@ -298,4 +330,4 @@ def moe_unpermute(y_ND: Tensor, row_to_slot_N: Tensor, topk_weight_TK: Tensor) -
 
 def op_names() -> Sequence[str]:
     """The registered op names (for opcheck and docs)."""
-    return ("k2::moe_route", "k2::moe_permute", "k2::moe_unpermute")
+    return ("k2::moe_route", "k2::moe_permute", "k2::moe_unpermute", "k2::moe_unpermute_backward")
