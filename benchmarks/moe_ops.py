@@ -43,6 +43,11 @@ def bench(fn: Callable[[], object], device: str, reps: int, warmup: int = 3) -> 
     return statistics.median(times)
 
 
+def unpermute_fwd_bwd(mod, y_ND: torch.Tensor, rows_N: torch.Tensor, w_TK: torch.Tensor, grad_TD: torch.Tensor) -> None:
+    y_ND.grad = w_TK.grad = None
+    mod.moe_unpermute(y_ND, rows_N, w_TK).backward(grad_TD)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -74,10 +79,18 @@ def main() -> None:
             ("permute", "moe_permute", (x, idx, E)),
             ("unpermute", "moe_unpermute", (x_ND, rows_N, w)),
         ]
+        y_ND = x_ND.detach().requires_grad_()
+        w_TK = w.detach().requires_grad_()
+        grad_TD = torch.randn(T, D, device=dev, dtype=dtype)
+
         for op, fn_name, fn_args in cases:
             t_ref = bench(partial(getattr(reference, fn_name), *fn_args), dev, reps)
             t_k2 = bench(partial(getattr(ops, fn_name), *fn_args), dev, reps)
             rows.append((f"{op} ({name}, E={E} K={K}" + (f" G={G}/{TG})" if G > 1 else ")"), t_ref, t_k2))
+        bwd_args = (y_ND, rows_N, w_TK, grad_TD)
+        t_ref = bench(partial(unpermute_fwd_bwd, reference, *bwd_args), dev, reps)
+        t_k2 = bench(partial(unpermute_fwd_bwd, ops, *bwd_args), dev, reps)
+        rows.append((f"unpermute fwd+bwd ({name})", t_ref, t_k2))
 
     print()
     print(f"| op (T={T}, D={D}, {str(dtype).replace('torch.', '')}, {dev}) | reference ms | k2 ms | speedup |")
