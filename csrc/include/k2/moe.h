@@ -90,7 +90,7 @@ void moe_unpermute_backward_cuda(const UnpermuteBackwardArgs& a, int device, uin
 // Limits of the CUDA kernels (the Python side falls back to the reference beyond them).
 constexpr int64_t kCudaRouteMaxK = 32;
 constexpr int64_t kCudaRouteMaxE = 4096;
-constexpr int64_t kCudaPermuteMaxE = 4096;
+constexpr int64_t kCudaPermuteMaxE = 2048;  // 4 warps x (E + 1) int32 counters in 48 KB of shared memory
 constexpr int64_t kCudaUnpermuteMaxK = 64;
 #endif
 
