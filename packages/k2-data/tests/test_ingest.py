@@ -124,15 +124,39 @@ def test_kill_mid_write_leaves_no_shard(mixed_corpus, tmp_path, monkeypatch):
     assert not (out / "manifest.json").exists()
 
 
+def test_fast_engine_is_checked_against_hf(mixed_corpus, tmp_path, monkeypatch, stdlib_texts):
+    tok = load_tokenizer()
+    assert tok.has_fast_engine
+    texts = [*stdlib_texts().values(), "你好，世界。中文English混合123 naïve café 🙂", "<|im_end|> [EOS] x\r\n\t  y",
+             "a" * 30000, " " * 5000 + "\n\n", ""]
+    assert tok.encode_batch_fast(texts) == tok.encode_batch(texts)
+    from k2_data.tokenizer import BPETokenizer
+
+    real = BPETokenizer.encode_batch_fast
+    monkeypatch.setattr(BPETokenizer, "encode_batch_fast", lambda self, t: [x[:-1] for x in real(self, t)])
+    with pytest.raises(ingest_mod().EngineMismatchError, match=r"txt/abc.py: the tiktoken engine and HF tokenizers disagree"):
+        tokenize_corpus([mixed_corpus["dir"] / "txt"], tmp_path / "x", config=TokenizeConfig(check_every=1))
+    m = tokenize_corpus([mixed_corpus["dir"] / "txt"], tmp_path / "y", config=TokenizeConfig(engine="hf"))
+    assert m["encoder"] == "hf-bpe" and m["num_tokens"] == sum(len(tok.encode(t)) for t in texts[:3])
+
+
+def ingest_mod():
+    import k2_data.ingest
+
+    return k2_data.ingest
+
+
 @pytest.mark.slow
 def test_default_corpus_whole_stdlib(tmp_path):
-    """The default corpus end to end: token count equals encoding every file directly."""
+    """The default corpus end to end, every document equal to HF tokenizers' encoding of its file."""
     from k2_data.corpus import default_corpus_files
 
     manifest = tokenize_corpus(None, tmp_path / "std", config=TokenizeConfig(workers=2))
     files = default_corpus_files()
     tok = load_tokenizer()
-    expected = sum(len(x) for x in tok.encode_batch([p.read_text(encoding="utf-8") for p in files]))
+    expected = tok.encode_batch([p.read_text(encoding="utf-8") for p in files])  # the HF engine
+    rows = _rows(tmp_path / "std", manifest)
+    assert [r["source"] for r in rows] == [str(p) for p in files]
     assert manifest["num_docs"] == len(files) > 500
-    assert manifest["num_tokens"] == expected
-    assert manifest["num_skipped"] == 0
+    assert [r["input_ids"] for r in rows] == expected
+    assert manifest["num_tokens"] == sum(map(len, expected)) and manifest["num_skipped"] == 0

@@ -1,7 +1,7 @@
 """`k2 data ...`: tokenize corpora into Arrow shards, train a tokenizer, inspect a tokenized dataset.
 
 k2 data tokenize [INPUT ...] --out DIR [--tokenizer PATH] [--text-field text] [--format arrow|parquet]
-                 [--workers N] [--on-error fail|skip] [--shard-mb 16]
+                 [--workers N] [--on-error fail|skip] [--shard-mb 16] [--engine auto|hf]
 k2 data train-tokenizer [INPUT ...] --out DIR [--vocab-size 8192]
 k2 data inspect DIR [--seq-len 256] [--show 1]
 """
@@ -44,6 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tok.add_argument("--on-error", choices=["fail", "skip"], default="fail",
                      help="a bad record fails the run (default) or is skipped and listed in the manifest")
     tok.add_argument("--shard-mb", type=float, default=16.0, help="text per shard, in MiB")
+    tok.add_argument("--engine", choices=["auto", "hf"], default="auto",
+                     help="auto: the BPE's tiktoken engine (about 5x faster; every 16th document checked "
+                          "against HF tokenizers), hf: HF tokenizers only")
     tok.set_defaults(func=run_tokenize)
 
     train = sub.add_parser(
@@ -75,7 +78,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     cfg = TokenizeConfig(
         text_field=args.text_field, format=args.format, workers=args.workers,
-        on_error=args.on_error, shard_bytes=max(1, int(args.shard_mb * 2**20)),
+        on_error=args.on_error, shard_bytes=max(1, int(args.shard_mb * 2**20)), engine=args.engine,
     )
     what = ", ".join(args.inputs) if args.inputs else "the default corpus (Python stdlib source)"
     print(f"tokenizing {what} -> {args.out} ({cfg.format}, {cfg.workers} workers, "

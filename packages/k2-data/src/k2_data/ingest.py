@@ -62,6 +62,10 @@ class TokenizeConfig:
     workers: int = 1
     on_error: str = "fail"  # "fail" or "skip" (skipped records are listed in the manifest)
     batch_docs: int = 512  # documents per encode_batch call
+    # "auto": the BPE's tiktoken engine where it has one (about 5x faster), with every
+    # `check_every`-th document re-encoded by HF and compared; "hf": HF tokenizers only
+    engine: str = "auto"
+    check_every: int = 16
 
     def validate(self) -> None:
         if self.format not in ("arrow", "parquet"):
@@ -70,6 +74,8 @@ class TokenizeConfig:
             raise ValueError(f"on_error must be 'fail' or 'skip', got {self.on_error!r}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.engine not in ("auto", "hf"):
+            raise ValueError(f"engine must be 'auto' or 'hf', got {self.engine!r}")
         if self.shard_bytes < 1:
             raise ValueError(f"shard_bytes must be >= 1, got {self.shard_bytes}")
 
@@ -311,9 +317,33 @@ def _get_tokenizer(path: str) -> Tokenizer:
     return _WORKER_TOKENIZER[path]
 
 
+class EngineMismatchError(RuntimeError):
+    """The fast engine disagreed with the tokenizer's own encoding on a spot-checked document."""
+
+
+def _encoder(tok: Tokenizer, config: TokenizeConfig) -> Callable[[list[str], list[str]], list[list[int]]]:
+    fast = config.engine == "auto" and getattr(tok, "has_fast_engine", False)
+    if not fast:
+        return lambda texts, sources: tok.encode_batch(texts)
+    counter = itertools.count()
+
+    def encode(texts: list[str], sources: list[str]) -> list[list[int]]:
+        ids = tok.encode_batch_fast(texts)
+        for text, source, got in zip(texts, sources, ids):
+            if next(counter) % config.check_every == 0 and tok.encode(text) != got:
+                raise EngineMismatchError(
+                    f"{source}: the tiktoken engine and HF tokenizers disagree on this document; "
+                    "rerun with --engine hf"
+                )
+        return ids
+
+    return encode
+
+
 def tokenize_shard(task: ShardTask, tokenizer_path: str, out_dir: str, config: TokenizeConfig) -> dict:
     """Tokenize one planned shard and write it; returns its manifest entry."""
     tok = _get_tokenizer(tokenizer_path)
+    encode = _encoder(tok, config)
     ids: list[list[int]] = []
     doc_ids: list[int] = []
     sources: list[str] = []
@@ -331,11 +361,11 @@ def tokenize_shard(task: ShardTask, tokenizer_path: str, out_dir: str, config: T
                 doc_ids.append(doc_id)
                 sources.append(source)
                 if len(pending_text) >= config.batch_docs:
-                    ids.extend(tok.encode_batch(pending_text))
+                    ids.extend(encode(pending_text, sources[-len(pending_text) :]))
                     pending_text.clear()
             doc_id += 1
     if pending_text:
-        ids.extend(tok.encode_batch(pending_text))
+        ids.extend(encode(pending_text, sources[-len(pending_text) :]))
     table = _build_table(ids, doc_ids, sources)
     tokens = int(sum(len(x) for x in ids))
     name = _shard_name(task.index, config.format)
@@ -445,6 +475,8 @@ def tokenize_corpus(
         "schema": {f.name: str(f.type) for f in SHARD_SCHEMA},
         "tokenizer": tok.identity() | {"path": TOKENIZER_SUBDIR},
         "text_field": config.text_field,
+        "encoder": (f"tiktoken engine, every {config.check_every}th document checked against HF tokenizers"
+                    if config.engine == "auto" and getattr(tok, "has_fast_engine", False) else tok.kind),
         "inputs": [str(p) for p in inputs] if inputs is not None else ["<default corpus: python stdlib>"],
         "plan_sha256": plan_sha,
         "num_docs": sum(s["rows"] for s in shards),

@@ -278,6 +278,52 @@ def write_tiktoken_ranks(path: str | Path, ranks: dict[bytes, int]) -> None:
 # ----------------------------------------------------------------------------- HF byte-level BPE
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """The printable stand-in character of each byte in byte-level BPE vocabularies -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+def _tiktoken_engine(hf_json: str):
+    """The same BPE as a tiktoken Encoding (ranks = BPE ids), or None if the model is not a plain
+    byte-level BPE with the Kimi split.
+
+    tiktoken merges the adjacent pair whose concatenation has the lowest rank, the HF BPE the pair
+    whose merge rule has the lowest priority. For a trained BPE (id = creation order) the two agree
+    except where a token can also be formed from a pair that is not its own rule; on the default
+    corpus they agree on every document (tested), and ingest spot-checks documents against HF.
+    """
+    import tiktoken
+
+    data = json.loads(hf_json)
+    model, pre = data.get("model", {}), data.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    if (
+        model.get("type") != "BPE"
+        or len(steps) != 2
+        or steps[0].get("type") != "Split"
+        or steps[0].get("pattern", {}).get("Regex") != KIMI_PAT_STR
+        or steps[1].get("type") != "ByteLevel"
+        or data.get("normalizer") is not None
+    ):
+        return None
+    to_byte = _byte_level_alphabet()
+    try:
+        ranks = {bytes(to_byte[c] for c in tok): i for tok, i in model["vocab"].items()}
+    except KeyError:
+        return None
+    if sorted(ranks.values()) != list(range(len(ranks))) or any(bytes([b]) not in ranks for b in range(256)):
+        return None
+    return tiktoken.Encoding(name="k2-bpe", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens={})
+
+
+
 class BPETokenizer(Tokenizer):
     """A byte-level BPE (HF `tokenizers`) whose last 256 ids are K2's reserved specials."""
 
@@ -308,6 +354,7 @@ class BPETokenizer(Tokenizer):
         self._plain.encode_special_tokens = True
         self._with_special = HFTokenizer.from_str(tokenizer.to_str())
         self._with_special.encode_special_tokens = False
+        self._fast = _tiktoken_engine(tokenizer.to_str())
 
     @classmethod
     def from_file(cls, path: str | Path) -> BPETokenizer:
@@ -339,6 +386,17 @@ class BPETokenizer(Tokenizer):
     def encode_batch(self, texts: Sequence[str], allow_special: bool = False) -> list[list[int]]:
         tok = self._with_special if allow_special else self._plain
         return [e.ids for e in tok.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    @property
+    def has_fast_engine(self) -> bool:
+        return self._fast is not None
+
+    def encode_batch_fast(self, texts: Sequence[str]) -> list[list[int]]:
+        """Like `encode_batch` (plain text), on the tiktoken engine (about 5x faster on this BPE);
+        falls back to HF when the model has no equivalent tiktoken form."""
+        if self._fast is None:
+            return self.encode_batch(texts)
+        return self._fast.encode_ordinary_batch(list(texts), num_threads=1)
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self._plain.decode(list(ids), skip_special_tokens=skip_special)
