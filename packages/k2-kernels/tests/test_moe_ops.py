@@ -196,3 +196,30 @@ def test_broadcast_rows_are_copied_not_misread(device):
         assert torch.equal(g.cpu(), r.to(g.dtype))
     logits = torch.randn(1, 8, generator=gen).expand(3, 8).to(device)
     assert torch.equal(ops.moe_route(logits, None, 2)[0].cpu(), reference.moe_route(logits.cpu(), None, 2)[0])
+
+
+@pytest.mark.cuda
+def test_cuda_side_stream_and_limits():
+    """Kernels run on the caller's current stream; shapes beyond the CUDA limits use the reference."""
+    gen = torch.Generator().manual_seed(9)
+    T, E, K, D = 2048, 384, 8, 256
+    logits = torch.randn(T, E, generator=gen).cuda()
+    x = torch.randn(T, D, generator=gen).to(torch.bfloat16).cuda()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        idx, w = ops.moe_route(logits, None, K)
+        x_ND, rows, counts, offsets = ops.moe_permute(x, idx, E)
+        out = ops.moe_unpermute(x_ND, rows, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    ridx, rw = reference.moe_route(logits.cpu(), None, K)
+    assert torch.equal(idx.cpu(), ridx)
+    want = reference.moe_unpermute(*reference.moe_permute(x.cpu(), ridx, E)[:2], rw)
+    torch.testing.assert_close(out.cpu().float(), want.float(), rtol=2**-8, atol=1e-6)
+    # top_k = 40 > 32 (CUDA routing limit) and E = 3000 > 2048 (CUDA permute limit)
+    logits = torch.randn(16, 3000, generator=gen)
+    idx, w = ops.moe_route(logits.cuda(), None, 40)
+    ridx, rw = reference.moe_route(logits, None, 40)
+    assert torch.equal(idx.cpu(), ridx)
+    got = ops.moe_permute(torch.randn(16, 4).cuda(), idx, 3000)
+    assert torch.equal(got[2].cpu(), torch.bincount(ridx.flatten(), minlength=3000).int())
