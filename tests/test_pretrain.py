@@ -45,7 +45,7 @@ def corpus(tmp_path_factory) -> Path:
 
 def _cfg(tmp_path: Path, corpus: Path, **kw) -> PretrainConfig:
     base = dict(
-        model_overrides=SMALL, steps=8, batch=4, micro_batch=2, seq_len=32, lr=1e-2, tau=5.0,
+        model_overrides=SMALL, steps=8, batch=4, micro_batch=2, seq_len=32, lr=1e-2, adamw_lr=1e-2, tau=5.0,
         warmup_steps=2, data=str(corpus), val_fraction=0.2, eval_every=4, eval_batches=1, save_every=0, threads=1,
         out=str(tmp_path / "run"),
     )
@@ -131,8 +131,14 @@ def test_optimizers_build(tmp_path, corpus):
     assert isinstance(build_optimizer(_cfg(tmp_path, corpus, optimizer="adamw"), model), torch.optim.AdamW)
     muon = build_optimizer(_cfg(tmp_path, corpus, optimizer="muon"), model)
     assert isinstance(muon, MuonClip) and muon.tau is None
-    clip = build_optimizer(_cfg(tmp_path, corpus, optimizer="muonclip", tau=7.0), model)
+    clip = build_optimizer(_cfg(tmp_path, corpus, optimizer="muonclip", tau=7.0, adamw_lr=1e-3), model)
     assert clip.tau == 7.0
+    lrs = {g["algorithm"]: g["lr"] for g in clip.param_groups}
+    assert lrs == {"muon": 1e-2, "adamw": 1e-3}
+    # The embedding table and the LM head are AdamW's, every MLA/MoE matrix Muon's.
+    adamw_ids = {id(p) for g in clip.param_groups if g["algorithm"] == "adamw" for p in g["params"]}
+    assert id(model.model.embed_tokens.weight) in adamw_ids and id(model.lm_head.weight) in adamw_ids
+    assert id(model.model.layers[0].self_attn.kv_b_proj.weight) not in adamw_ids
 
 
 def test_export_loads_in_k2_and_transformers(tmp_path, corpus):

@@ -12,6 +12,7 @@ _FLAGS = [
     ("preset", str, "model preset (tiny, kimi-k2, deepseek-v3)"),
     ("optimizer", str, "muonclip | muon | adamw"),
     ("lr", float, "peak learning rate (Muon's, with RMS matched to AdamW; AdamW's for --optimizer adamw)"),
+    ("adamw_lr", float, "with muon/muonclip: AdamW lr of embeddings, head and 1-D params (0 = --lr)"),
     ("weight_decay", float, "decoupled weight decay"),
     ("tau", float, "QK-Clip threshold (also drawn on the max-logit plot of non-clipping runs)"),
     ("steps", int, "optimizer steps"),

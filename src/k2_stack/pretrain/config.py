@@ -19,6 +19,10 @@ class PretrainConfig:
     # optimizer (K2 recipe: Muon with RMS matched to AdamW, weight decay 0.1, tau 100 at scale)
     optimizer: str = "muonclip"
     lr: float = 2e-2
+    # With muon/muonclip: the AdamW learning rate of embeddings, LM head and 1-D parameters.
+    # (At scale K2 shares one lr thanks to Muon's RMS matching; at this tiny scale an embedding
+    # table at Muon's lr of ~1e-2 makes the loss spike, so it gets its own.) 0 = same as lr.
+    adamw_lr: float = 3e-3
     weight_decay: float = 0.1
     tau: float = 30.0
     grad_clip: float = 1.0
@@ -47,6 +51,9 @@ class PretrainConfig:
     seed: int = 0
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     activation_checkpointing: bool = False
+    # After each step, re-run the step's first micro-batch (no grad) and log the max logit the
+    # updated (clipped) weights give: `max_logit_after_clip`. Costs about a third of a step.
+    log_post_clip_logit: bool = False
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 on GPU
     device: str = "auto"
 
@@ -57,6 +64,7 @@ class PretrainConfig:
 
         need(self.optimizer in OPTIMIZERS, "optimizer", f"one of {', '.join(OPTIMIZERS)}")
         need(self.lr > 0, "lr", "> 0")
+        need(self.adamw_lr >= 0, "adamw_lr", ">= 0")
         need(self.tau > 0, "tau", "> 0")
         need(self.steps > 0, "steps", "> 0")
         need(self.batch > 0, "batch", "> 0")

@@ -97,7 +97,12 @@ def build_optimizer(cfg: PretrainConfig, model: nn.Module) -> torch.optim.Optimi
             betas=(0.9, 0.95),
         )
     # Muon for hidden matrices, AdamW for embeddings / head / 1-D; QK-Clip only for "muonclip".
-    return MuonClip(model, lr=cfg.lr, weight_decay=cfg.weight_decay, tau=cfg.tau if cfg.optimizer == "muonclip" else None)
+    opt = MuonClip(model, lr=cfg.lr, weight_decay=cfg.weight_decay, tau=cfg.tau if cfg.optimizer == "muonclip" else None)
+    if cfg.adamw_lr:
+        for group in opt.param_groups:
+            if group.get("algorithm") == "adamw":
+                group["lr"] = cfg.adamw_lr
+    return opt
 
 
 def wsd_for(cfg: PretrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
@@ -130,6 +135,20 @@ def lm_loss(model: K2ForCausalLM, input_ids_BS: torch.Tensor, labels_BS: torch.T
     the inputs), so every label of the packed stream counts; -100 is ignored."""
     logits_BSV = model(input_ids_BS).logits
     return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten(), ignore_index=-100)
+
+
+@torch.no_grad()
+def post_clip_max_logit(model: K2ForCausalLM, input_ids_BS: torch.Tensor, autocast) -> float:
+    """The max logit the just-updated weights give on this input (a training-mode forward, so the
+    model records it), leaving no trace in the max-logit record or the expert-load counts."""
+    model.reset_attention_max_logits()
+    with autocast():
+        model(input_ids_BS)
+    value = float(model.attention_max_logits().max())
+    model.reset_attention_max_logits()
+    for router in model.moe_routers():
+        router.expert_load.zero_()
+    return value
 
 
 def _expert_balance(load_LE: torch.Tensor) -> float:
@@ -278,6 +297,7 @@ def run_pretrain(
                     model.reset_attention_max_logits()
                     clipped, frac_ever = 0, 0.0
                 load_LE = model.update_expert_bias(cfg.bias_update_speed)
+                after_clip = post_clip_max_logit(model, ids_BS[:micro], autocast) if cfg.log_post_clip_logit else None
                 step += 1
                 clipped_total += clipped
                 dt = time.perf_counter() - t0
@@ -295,6 +315,8 @@ def run_pretrain(
                     "step_s": dt,
                     "loader_s": loader_s,
                 }
+                if after_clip is not None:
+                    row["max_logit_after_clip"] = after_clip
                 if val_ds is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                     row["val_loss"] = evaluate(model, val_ds, cfg, device, autocast)
                 metrics_f.write(json.dumps(row) + "\n")
