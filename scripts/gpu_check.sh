@@ -7,7 +7,9 @@
 # 2. builds and installs k2-kernels with its CUDA kernels (16 cores) and checks the sm_90a cubin;
 # 3. installs the pure-Python packages (pip --no-deps --no-build-isolation when hatchling is
 #    importable, else their src/ dirs go on PYTHONPATH);
-# 4. runs every `cuda`-marked test (pytest -m cuda) and every benchmarks/*.py that accepts --device;
+# 4. runs `python -m k2_kernels.selfcheck`, every `cuda`-marked test (pytest -m cuda), every
+#    benchmarks/*.py that accepts --device, then the self-check under compute-sanitizer
+#    (memcheck, racecheck) while time is left;
 # 5. prints a summary. Logs go to $OUT (or ./gpu-check-out): at most 6 files, to fit what comes back.
 # Whole run budgeted under 8 minutes. Exit status: 0 when every step passed.
 set -euo pipefail
@@ -26,9 +28,9 @@ START=$(date +%s)
 declare -a SUMMARY=()
 FAILED=0
 note() { printf '\n=== %s (t=%ss) ===\n' "$*" "$(( $(date +%s) - START ))"; }
-record() {  # record NAME STATUS SECONDS
+record() {  # record NAME STATUS SECONDS (statuses ok, skip and slow do not fail the run)
   SUMMARY+=("$(printf '%-40s %-7s %4ss' "$1" "$2" "$3")")
-  if [ "$2" != "ok" ] && [ "$2" != "skip" ]; then FAILED=1; fi
+  case "$2" in ok | skip | slow) ;; *) FAILED=1 ;; esac
 }
 # run_step NAME LOGFILE TIMEOUT_S CMD...: runs CMD with a time limit, appends to LOGFILE, records the outcome.
 run_step() {
@@ -40,7 +42,12 @@ run_step() {
   timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1 || rc=$?
   local dt=$(( $(date +%s) - t0 ))
   if [ "$rc" -eq 0 ]; then record "$name" ok "$dt"
-  elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then record "$name" TIMEOUT "$dt"; echo "TIMEOUT after ${limit}s: $name" | tee -a "$log"
+  elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    # SOFT_TIMEOUT=1: running out of time is not a failure (the sanitizer runs)
+    record "$name" "$([ "${SOFT_TIMEOUT:-0}" = 1 ] && echo slow || echo TIMEOUT)" "$dt"
+    echo "TIMEOUT after ${limit}s: $name" | tee -a "$log"
+  elif grep -q "Device not supported" "$log" 2>/dev/null && [[ "$name" == sanitizer* ]]; then
+    record "$name" skip "$dt"; echo "compute-sanitizer does not support this device here: $name skipped"
   else record "$name" FAIL "$dt"; echo "FAILED (rc=$rc): $name; last lines of $log:"; tail -n 25 "$log"; fi
   return 0
 }
@@ -94,6 +101,11 @@ else
   record "install python packages (PYTHONPATH)" ok 0
 fi
 
+# ---- quick self-check -------------------------------------------------------------------------
+if [ "${K2_GPU_CHECK_ALLOW_CPU:-0}" != 1 ]; then
+  run_step "k2_kernels.selfcheck (cuda)" "$OUT/pytest.log" 120 "$PY" -m k2_kernels.selfcheck --device cuda
+fi
+
 # ---- cuda tests -------------------------------------------------------------------------------
 # Collection errors (a package whose optional deps are missing here) must not hide the cuda tests.
 run_step "pytest -m cuda" "$OUT/pytest.log" 240 \
@@ -115,6 +127,19 @@ for b in "${BENCHES[@]}"; do
   # -P: do not put benchmarks/ first on sys.path (a benchmarks/tokenize.py would shadow the stdlib).
   run_step "bench $(basename "$b")" "$OUT/bench.log" "$(( left < 150 ? left : 150 ))" "$PY" -P "$b" --device cuda
 done
+
+# ---- compute-sanitizer (out-of-bounds accesses, shared-memory races) on the quick self-check ------
+if [ "${K2_GPU_CHECK_ALLOW_CPU:-0}" = 1 ] || ! command -v compute-sanitizer >/dev/null; then
+  record "sanitizer (memcheck, racecheck)" skip 0
+else
+  for tool in memcheck racecheck; do
+    left=$(( 470 - ($(date +%s) - START) ))
+    if [ "$left" -lt 30 ]; then record "sanitizer $tool" skip 0; continue; fi
+    SOFT_TIMEOUT=1 run_step "sanitizer $tool" "$OUT/sanitizer.log" "$(( left < 150 ? left : 150 ))" \
+      compute-sanitizer --tool "$tool" --error-exitcode 3 \
+      "$PY" -m k2_kernels.selfcheck --device cuda --quick
+  done
+fi
 
 # ---- summary ----------------------------------------------------------------------------------
 {

@@ -223,3 +223,11 @@ def test_cuda_side_stream_and_limits():
     assert torch.equal(idx.cpu(), ridx)
     got = ops.moe_permute(torch.randn(16, 4).cuda(), idx, 3000)
     assert torch.equal(got[2].cpu(), torch.bincount(ridx.flatten(), minlength=3000).int())
+
+
+@pytest.mark.cuda
+def test_selfcheck_cuda():
+    """`python -m k2_kernels.selfcheck` (what gpu_check.sh runs under compute-sanitizer) passes."""
+    from k2_kernels import selfcheck
+
+    assert selfcheck.check("cuda") == []
