@@ -10,12 +10,19 @@ below) and that as a fraction of this machine's fp32 matmul rate measured here (
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import tempfile
 import time
 
-import torch
-from k2_model import K2Config, K2ForCausalLM
+# benchmarks/ holds a tokenize.py that would shadow the standard library's when this script's
+# directory is sys.path[0]
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+
+import torch  # noqa: E402
+from k2_model import K2Config, K2ForCausalLM  # noqa: E402
 
 
 def bench_config() -> K2Config:
@@ -64,18 +71,27 @@ def matmul_gflops() -> float:
     return n * 2 * 1024 * 512 * 512 / (time.perf_counter() - t) / 1e9
 
 
-def time_steps(model: torch.nn.Module, ids: torch.Tensor, steps: int) -> tuple[float, float]:
-    model.train()
-    times, loss = [], 0.0
-    for i in range(steps + 1):
-        model.zero_grad(set_to_none=True)
-        t = time.perf_counter()
-        out = model(ids, labels=ids)
-        out.loss.backward()
-        if i:  # first step is warm-up
-            times.append(time.perf_counter() - t)
-        loss = out.loss.item()
-    return statistics.median(times), loss
+def one_step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, float]:
+    model.zero_grad(set_to_none=True)
+    t = time.perf_counter()
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return time.perf_counter() - t, out.loss.item()
+
+
+def time_round_robin(
+    models: dict[str, torch.nn.Module], ids: torch.Tensor, steps: int
+) -> dict[str, tuple[float, float]]:
+    """Median s/step per model; steps alternate between the models so that load from other
+    processes on a shared machine hits all of them alike. The first round is warm-up."""
+    times: dict[str, list[float]] = {k: [] for k in models}
+    loss: dict[str, float] = {}
+    for r in range(steps + 1):
+        for name, model in models.items():
+            t, loss[name] = one_step(model, ids)
+            if r:
+                times[name].append(t)
+    return {k: (min(v), statistics.median(v), loss[k]) for k, v in times.items()}
 
 
 def main() -> None:
@@ -83,9 +99,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cfg = bench_config()
     torch.manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
@@ -96,29 +115,43 @@ def main() -> None:
           f"top-{cfg.num_experts_per_tok}, vocab {cfg.vocab_size}; batch {args.batch}x{args.seq}; "
           f"{flops / 1e9:.1f} GFLOP per step")  # fmt: skip
 
-    rows = []
-    hf_cfg = DeepseekV3Config(**cfg.to_hf())
+    hf_eager = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg.to_hf(), attn_implementation="eager")).train()
+    hf_sdpa = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg.to_hf(), attn_implementation="sdpa")).train()
     with tempfile.TemporaryDirectory() as d:
-        for impl in ("eager", "sdpa"):
-            hf_cfg._attn_implementation = impl
-            theirs = DeepseekV3ForCausalLM(hf_cfg)
-            if impl == "eager":
-                theirs.save_pretrained(d)
-                ours = K2ForCausalLM.from_pretrained(d)
-            t, loss = time_steps(theirs, ids, args.steps)
-            rows.append((f"transformers DeepseekV3ForCausalLM ({impl} attention)", t, loss))
-            del theirs
-    for impl in ("sdpa", "eager"):
-        ours.set_attention_impl(impl)
-        t, loss = time_steps(ours, ids, args.steps)
-        rows.append((f"k2_model K2ForCausalLM ({impl} attention, max-logit recording on)", t, loss))
-
-    anchor = rows[0][1]
-    print("\n| model | s/step | speed-up vs transformers (eager) | GFLOP/s | % of matmul peak | loss |")
-    print("|---|---|---|---|---|---|")
-    for name, t, loss in rows:
-        gf = flops / t / 1e9
-        print(f"| {name} | {t:.3f} | {anchor / t:.2f}x | {gf:.0f} | {100 * gf / peak:.0f}% | {loss:.4f} |")
+        hf_eager.save_pretrained(d)
+        hf_sdpa.load_state_dict(hf_eager.state_dict())
+        ours_sdpa = K2ForCausalLM.from_pretrained(d).train()
+        ours_eager = K2ForCausalLM.from_pretrained(d).train()
+    ours_eager.set_attention_impl("eager")
+    models = {
+        "transformers DeepseekV3ForCausalLM (eager attention)": hf_eager,
+        "transformers DeepseekV3ForCausalLM (sdpa attention)": hf_sdpa,
+        "k2_model K2ForCausalLM (sdpa attention, max-logit recording on)": ours_sdpa,
+        "k2_model K2ForCausalLM (eager attention, max-logit recording on)": ours_eager,
+    }
+    res = time_round_robin(models, ids, args.steps)
+    peak_after = matmul_gflops()
+    print(f"fp32 matmul after the run: {peak_after:.0f} GFLOP/s (a large change means the machine was busy)")
+    names = list(models)
+    a_min, a_med = res[names[0]][0], res[names[0]][1]
+    print(
+        "\n| model | s/step min | s/step median | speed-up vs transformers eager (min / median) "
+        "| GFLOP/s (min) | % of matmul rate | loss |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name in names:
+        t_min, t_med, loss = res[name]
+        gf = flops / t_min / 1e9
+        print(
+            f"| {name} | {t_min:.3f} | {t_med:.3f} | {a_min / t_min:.2f}x / {a_med / t_med:.2f}x "
+            f"| {gf:.0f} | {100 * gf / max(peak, peak_after):.0f}% | {loss:.4f} |"
+        )
+    for ref in names[:2]:
+        for ours in names[2:]:
+            print(
+                f"ratio {ref.split(' (')[0]} ({ref.split('(')[1][:-1]}) / {ours}: "
+                f"min {res[ref][0] / res[ours][0]:.2f}x, median {res[ref][1] / res[ours][1]:.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32:  # one fused kernel; identical to the explicit form in fp32
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -91,19 +93,24 @@ class MLAttention(nn.Module):
         mask_B1SL = None if mask_BSL is None else mask_BSL.unsqueeze(1)
 
         if self.attn_impl == "eager":
-            scores_BHSL = torch.matmul(q_BHSDh, k_BHSDh.transpose(-1, -2)) * self.softmax_scale
-            allowed = mask_B1SL if mask_B1SL is not None else _causal(S, x_BSD.device)
-            scores_BHSL = scores_BHSL.masked_fill(~allowed, -math.inf)
+            # scale and mask in one GEMM epilogue: scores = scale * q k^T + (0 | -inf)
+            bias_B1SL = _mask_bias(mask_B1SL, S, x_BSD.device, q_BHSDh.dtype)
+            scores_BHSL = torch.baddbmm(
+                bias_B1SL.expand(B, H, S, S).reshape(B * H, S, S),
+                q_BHSDh.reshape(B * H, S, P + R),
+                k_BHSDh.reshape(B * H, S, P + R).transpose(1, 2),
+                alpha=self.softmax_scale,
+            ).view(B, H, S, S)
             if self.training:
                 self._record_max_logits(scores_BHSL.detach())
-            probs = F.softmax(scores_BHSL, dim=-1, dtype=torch.float32).to(q_BHSDh.dtype)
-            o_BHSV = torch.matmul(probs, v_BHSV)
+            probs_BHSL = F.softmax(scores_BHSL, dim=-1, dtype=torch.float32).to(q_BHSDh.dtype)
+            o_BHSV = torch.matmul(probs_BHSL, v_BHSV)
         else:
             if self.training:
                 with torch.no_grad():
-                    s_BHSL = torch.matmul(q_BHSDh, k_BHSDh.transpose(-1, -2)) * self.softmax_scale
-                    allowed = mask_B1SL if mask_B1SL is not None else _causal(S, x_BSD.device)
-                    self._record_max_logits(s_BHSL.masked_fill_(~allowed, -math.inf))
+                    s_BHSL = torch.matmul(q_BHSDh, k_BHSDh.transpose(-1, -2))
+                    s_BHSL.mul_(self.softmax_scale).add_(_mask_bias(mask_B1SL, S, x_BSD.device, s_BHSL.dtype))
+                    self._record_max_logits(s_BHSL)
             if mask_B1SL is None:
                 o_BHSV = F.scaled_dot_product_attention(
                     q_BHSDh, k_BHSDh, v_BHSV, is_causal=True, scale=self.softmax_scale
@@ -122,6 +129,12 @@ class MLAttention(nn.Module):
 
 def _causal(S: int, device: torch.device) -> Tensor:
     return torch.ones(S, S, dtype=torch.bool, device=device).tril()
+
+
+def _mask_bias(mask_B1SL: Tensor | None, S: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Additive mask: 0 where attention is allowed, -inf elsewhere ([B or 1, 1, S, S])."""
+    allowed = mask_B1SL if mask_B1SL is not None else _causal(S, device)[None, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, -math.inf)
 
 
 class DecoderLayer(nn.Module):
