@@ -12,6 +12,7 @@ N = T * K permuted rows.
 
 # No `from __future__ import annotations`: custom_op reads the annotations to infer the schema.
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -87,7 +88,7 @@ def _check_index_range(topk_idx_TK: Tensor, num_experts: int) -> None:
 @torch.library.custom_op("k2::moe_route", mutates_args=())
 def _moe_route(
     logits_TE: Tensor,
-    bias_E: Tensor | None,
+    bias_E: Optional[Tensor],  # noqa: UP045 - typing.Optional: the schema inference of older torch
     top_k: int,
     n_group: int,
     topk_group: int,
