@@ -8,6 +8,7 @@ measured in one run; every method must produce the same number of tokens. Anchor
                tokenizer loaded from the same files (tok(batch["text"])), the usual HF recipe
   hf-same-fn   the same, but .map calls k2's own encode_batch (isolates the pipeline overhead)
   hf-same-fn-N as hf-same-fn with num_proc=N
+  hf-same-engine datasets.map calling the tiktoken engine k2 uses (isolates the engine's share)
 
 Needs the `bench` extra (`pip install datasets transformers`). Run:
   .venv/bin/python benchmarks/tokenize.py [--workers 2] [--repeat 2]
@@ -99,11 +100,15 @@ def main() -> int:
         def same_fn(b):
             return {"input_ids": tok.encode_batch(b["text"])}
 
+        def same_engine(b):
+            return {"input_ids": tok.encode_batch_fast(b["text"])}
+
         methods = {
             "k2 data tokenize": ours,
             "hf-recipe (datasets.map + transformers tokenizer)": lambda: hf(recipe),
             "hf-same-fn (datasets.map + k2 encode_batch)": lambda: hf(same_fn),
             f"hf-same-fn-{args.workers} (num_proc={args.workers})": lambda: hf(same_fn, args.workers),
+            "hf-same-engine (datasets.map + k2's tiktoken engine)": lambda: hf(same_engine),
         }
         results = _measure(methods, args.repeat)
     finally:

@@ -58,7 +58,7 @@ def mixed_corpus(tmp_path: Path) -> dict:
         json.dumps({"text": texts["keyword.py"]}),
         json.dumps({"body": "no text field"}),
     ]
-    jl.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    jl.write_text("\n".join(lines) + "\n\n", encoding="utf-8")  # a trailing blank line is not a record
     docs[f"{jl}:1"] = json.loads(lines[0])["text"]
     docs[f"{jl}:2"] = json.loads(lines[1])["text"]
     docs[f"{jl}:4"] = texts["keyword.py"]

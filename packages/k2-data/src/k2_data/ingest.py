@@ -200,9 +200,14 @@ def _read_unit(unit: Unit, text_field: str) -> Iterator[tuple[str, str | BadReco
         with open(path, "rb") as f:
             f.seek(unit.start)
             chunk = f.read(unit.stop - unit.start)
-        for i, raw in enumerate(chunk.splitlines()):
+        lines = chunk.split(b"\n")
+        if lines and not lines[-1]:
+            lines.pop()  # the newline that ends the last record
+        for i, raw in enumerate(lines):
             line = unit.first_line + i
             where = f"{line}"
+            if not raw.strip():
+                continue  # a blank line is not a record
             try:
                 obj = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
