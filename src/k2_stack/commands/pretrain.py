@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 # Flags that map one-to-one onto PretrainConfig fields (name, type, help).
@@ -86,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         console.print(f"[red]k2 pretrain: {e}[/red]")
         return 2
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 reports
+        return 0
     if args.json:
         print(json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(result).items()
                           if k != "plots"}))

@@ -29,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from k2_stack.pretrain import checkpoint as ckpt
+from k2_stack.pretrain import distributed as dd
 from k2_stack.pretrain.config import PretrainConfig
 from k2_stack.pretrain.data import build_datasets, build_loader, prepare_tokenized
 from k2_stack.pretrain.plots import plot_runs, read_metrics
@@ -180,6 +181,30 @@ def run_pretrain(
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device, dtype = resolve_device(cfg)
+    info = dd.init_distributed(device.type)
+    try:
+        return _run(cfg, resume, console, quiet, run_dir, device, dtype, info)
+    finally:
+        dd.shutdown(info)
+
+
+def _run(
+    cfg: PretrainConfig, resume: bool, console: Console, quiet: bool, run_dir: Path,
+    device: torch.device, dtype: torch.dtype, info: dd.DistInfo,
+) -> RunResult:
+    if device.type == "cuda" and info.enabled:
+        device = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(device)
+    if cfg.batch % info.world_size:
+        raise ValueError(f"--batch {cfg.batch} (global) is not divisible by the {info.world_size} processes")
+    per_rank = cfg.batch // info.world_size
+    micro = cfg.micro_batch or per_rank
+    if per_rank % micro:
+        raise ValueError(f"--micro-batch {micro} does not divide the per-process batch {per_rank}")
+    accum = per_rank // micro
+    quiet = quiet or not info.is_main
+    if resume and info.enabled:
+        raise ValueError("--resume of a multi-process run is not supported yet; resume with one process")
 
     start_state = None
     if resume:
@@ -189,30 +214,39 @@ def run_pretrain(
         start_state = ckpt.load_checkpoint(latest)
     elif run_dir.exists() and ckpt.latest_checkpoint(run_dir) is not None:
         raise FileExistsError(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick a new --out")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".{CONFIG}.tmp"
-    tmp.write_text(json.dumps(cfg.to_dict(), indent=2))
-    os.replace(tmp, run_dir / CONFIG)
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / f".{CONFIG}.tmp"
+        tmp.write_text(json.dumps(cfg.to_dict(), indent=2))
+        os.replace(tmp, run_dir / CONFIG)
 
-    # data
-    with console.status("tokenizing the corpus (cached after the first run)..."):
-        tokenized = prepare_tokenized(cfg)
+    # data (tokenized once, by rank 0)
+    tokenized = None
+    if info.is_main:
+        with console.status("tokenizing the corpus (cached after the first run)..."):
+            tokenized = prepare_tokenized(cfg)
+    tokenized = dd.broadcast_object(tokenized, info)
     train_ds, val_ds = build_datasets(cfg, tokenized)
     if val_ds is None and cfg.eval_every and not quiet:
         console.print(f"[yellow]no held-out documents at val_fraction={cfg.val_fraction}: validation is off[/yellow]")
-    if not (run_dir / "tokenizer").exists():
+    if info.is_main and not (run_dir / "tokenizer").exists():
         shutil.copytree(train_ds.tokenizer_dir, run_dir / "tokenizer")
-    micro = cfg.micro_batch or cfg.batch
-    accum = cfg.batch // micro
-    loader = build_loader(train_ds, cfg.batch, rank=0, world_size=1)
+    loader = build_loader(train_ds, per_rank, rank=info.rank, world_size=info.world_size)
 
     # model, optimizer, schedule
     model = build_model(cfg, train_ds.vocab_size, device)
     model.train()
+    if info.enabled:
+        dd.shard_model(model)
     optimizer = build_optimizer(cfg, model)
     scheduler = wsd_for(cfg, optimizer)
     step = 0
     if start_state is not None:
+        if start_state.get("optimizer") is None:
+            raise ValueError(
+                f"{run_dir}: the checkpoint of a {start_state.get('world_size')}-process run holds no optimizer "
+                "state, so it cannot be resumed exactly (export it with `k2 export` instead)"
+            )
         model.load_state_dict(start_state["model"])
         optimizer.load_state_dict(start_state["optimizer"])
         scheduler.load_state_dict(start_state["scheduler"])
@@ -228,8 +262,11 @@ def run_pretrain(
         return {
             "step": step,
             "config": cfg.to_dict(),
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
+            "world_size": info.world_size,
+            "model": dd.full_model_state_dict(model, info),
+            # Sharded optimizer state is not gathered yet: multi-process checkpoints hold the
+            # full model (for export) but cannot be resumed.
+            "optimizer": None if info.enabled else optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "loader": loader.state_dict(),
             "rng": {"torch": torch.get_rng_state()},
@@ -240,7 +277,8 @@ def run_pretrain(
         console.print(
             f"[bold]k2 pretrain[/bold]: {cfg.preset} ({n_params / 1e6:.2f}M params) with {cfg.optimizer} "
             f"(lr {cfg.lr:g}, wd {cfg.weight_decay:g}" + (f", tau {cfg.tau:g}" if cfg.optimizer == "muonclip" else "")
-            + f"), {cfg.steps} steps x {cfg.batch} x {cfg.seq_len} tokens on {device} ({str(dtype).split('.')[-1]}); "
+            + f"), {cfg.steps} steps x {cfg.batch} x {cfg.seq_len} tokens on {device} ({str(dtype).split('.')[-1]})"
+            + (f" x {info.world_size} processes (FSDP2)" if info.enabled else "") + "; "
             f"data {tokenized} ({len(train_ds)} train / {len(val_ds) if val_ds else 0} val samples per epoch); run dir {run_dir}"
             + (f"; resuming after step {step}" if start_state is not None else "")
         )
@@ -256,7 +294,7 @@ def run_pretrain(
         console.print("[yellow]interrupt: finishing this step, then saving a checkpoint (Ctrl-C again to abort)[/yellow]")
 
     previous_handler = signal.signal(signal.SIGINT, on_sigint) if _in_main_thread() else None
-    metrics_f = open(run_dir / METRICS, "a")
+    metrics_f = open(run_dir / METRICS, "a") if info.is_main else None
     last: dict[str, Any] = {}
     clipped_total = 0
     tokens_per_step = cfg.batch * cfg.seq_len
@@ -281,10 +319,10 @@ def run_pretrain(
                         micro_loss = lm_loss(model, ids_BS[sl], labels_BS[sl])
                     (micro_loss / accum).backward()
                     loss_sum += float(micro_loss.detach())
-                loss = loss_sum / accum
-                # The step's max logit, before any clip (MuonClip resets the record itself).
-                max_logit = float(model.attention_max_logits().max())
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf))
+                loss = dd.all_reduce_scalar(loss_sum / accum, "mean", info, device)
+                # The step's max logit over all ranks, before any clip (MuonClip resets the record itself).
+                max_logit = dd.all_reduce_scalar(float(model.attention_max_logits().max()), "max", info, device)
+                grad_norm = dd.to_float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf))
                 lr = optimizer.param_groups[0]["lr"]
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -319,26 +357,33 @@ def run_pretrain(
                     row["max_logit_after_clip"] = after_clip
                 if val_ds is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                     row["val_loss"] = evaluate(model, val_ds, cfg, device, autocast)
-                metrics_f.write(json.dumps(row) + "\n")
-                metrics_f.flush()
+                if metrics_f is not None:
+                    metrics_f.write(json.dumps(row) + "\n")
+                    metrics_f.flush()
                 last = row
                 progress.update(
                     task, completed=step,
                     info=f"loss {loss:.3f}  max logit {max_logit:.1f}  clipped {clipped}  {row['tokens_per_s']:.0f} tok/s",
                 )
+                if info.enabled:  # an interrupt on any rank stops every rank at the same step
+                    interrupted = bool(dd.all_reduce_scalar(float(interrupted), "max", info, device))
                 stop_here = cfg.stop_at and step == cfg.stop_at
                 if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stop_here or interrupted:
-                    ckpt.save_checkpoint(run_dir, step, state())
+                    snapshot = state()  # a collective under FSDP2: every rank takes part
+                    if info.is_main:
+                        ckpt.save_checkpoint(run_dir, step, snapshot)
                 if stop_here:
                     interrupted = True
     finally:
-        metrics_f.close()
+        if metrics_f is not None:
+            metrics_f.close()
         loader.close()
         if previous_handler is not None:
             signal.signal(signal.SIGINT, previous_handler)
 
+    dd.barrier(info)
     rows = read_metrics(run_dir / METRICS)
-    plots = plot_runs([(cfg.optimizer, rows)], run_dir / "plots", tau=cfg.tau)
+    plots = plot_runs([(cfg.optimizer, rows)], run_dir / "plots", tau=cfg.tau) if info.is_main else []
     vals = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
     return RunResult(
         run_dir=run_dir,

@@ -1,0 +1,98 @@
+"""Data-parallel pretraining with FSDP2 (`torchrun --nproc-per-node N -m k2_stack pretrain ...`).
+
+Each decoder layer and the root are wrapped by `fully_shard` (parameters sharded on dim 0; the
+stacked routed experts [E, I, D] therefore split by expert). The loader gives each rank its slice of
+the same global batch, FSDP2 averages gradients, MuonClip runs its distributed Newton-Schulz and
+MAX-reduces the recorded logits, and the model all-reduces expert loads for the bias update, so a
+run on N processes follows the 1-process run with the same global batch up to rounding.
+gloo on CPU, NCCL on GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    initialized_here: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device_type: str) -> DistInfo:
+    """Join the process group torchrun describes in the environment (WORLD_SIZE > 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistInfo()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    created = False
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        created = True
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, created)
+
+
+def shard_model(model: nn.Module) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def all_reduce_scalar(value: float, op: str, info: DistInfo, device: torch.device) -> float:
+    if not info.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return float(t) / (info.world_size if op == "mean" else 1)
+
+
+def broadcast_object(obj: Any, info: DistInfo) -> Any:
+    if not info.enabled:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+def full_model_state_dict(model: nn.Module, info: DistInfo) -> dict[str, torch.Tensor]:
+    """The whole model's state on CPU (a collective under FSDP2; the full dict lands on rank 0)."""
+    if not info.enabled:
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def to_float(t: torch.Tensor) -> float:
+    """A scalar that may be a DTensor (e.g. the grad norm of sharded parameters)."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return float(t)
+
+
+def shutdown(info: DistInfo) -> None:
+    if info.initialized_here and dist.is_initialized():
+        dist.destroy_process_group()
