@@ -7,8 +7,9 @@ Protocol of one `update` (every rank runs it; see the README for the sequence di
    calls `req_func({device_id: address})` in a thread, which makes the inference side call
    `update_weights_from_ipc`;
 3. each server sends its receiver the two-slot buffer handle and waits for "ready";
-4. per bucket k: wait until the receiver acked bucket k-2 (its slot is free again), agree
-   that no rank failed (a one-int all-reduce), the owner copies host -> slot k%2,
+4. per bucket k: wait until the receiver acked bucket k-2 (its slot is free again), every
+   `agree_every` buckets agree that no rank failed (a one-int all-reduce), the owner copies
+   host -> slot k%2 (on CPU it broadcasts from its shared arena in place instead),
    `broadcast` from the owner, then tell the receiver "bucket k is in slot k%2" and move on
    without waiting: the receiver loads bucket k while bucket k+1 is broadcast;
 5. wait for the last acks, agree, send "commit", wait for "done", agree.
@@ -75,6 +76,10 @@ class ServerConfig:
     memory_fraction: float = 0.25  # of the device's free memory, for both slots together
     num_slots: int = 2  # 2 = broadcast of bucket k+1 overlaps loading of bucket k
     timeout_s: float = 60.0  # longest wait on a receiver for any one step
+    # ranks vote "anyone failed?" before every n-th bucket (and before the commit): each vote is
+    # a sync point across ranks, so fewer votes pipeline better; a failure stops the
+    # broadcast at most n buckets later (its receiver is no longer fed meanwhile)
+    agree_every: int = 4
     abort_timeout_s: float = 2.0  # how long an abort waits for the receiver's reply
     socket_dir: str = field(default_factory=tempfile.gettempdir)
 
@@ -283,11 +288,13 @@ class ParameterServer:
     # ---- update ----
 
     def update(self, name: str, req_func: ReqFunc, ranks: list[int] | None = None, *,
-               timeout_s: float | None = None) -> UpdateStats:
+               timeout_s: float | None = None, req_on_all_ranks: bool = False) -> UpdateStats:
         """Push checkpoint `name` to the receivers of `ranks` (None: every rank) by broadcast.
 
         `req_func(mapping)` is called once (on rank 0, in a thread) with {device_id: zmq address}
-        and must make each receiver call `update_weights_from_ipc` with its address.
+        and must make each receiver call `update_weights_from_ipc` with its address. With
+        `req_on_all_ranks=True` every rank calls it (for receivers driven by their own training
+        rank, e.g. an engine in the same process); each receiver picks `mapping[its device_id]`.
         Raises `UpdateError` (the same on every rank) if any receiver fails.
         """
         cfg = self.config
@@ -321,7 +328,7 @@ class ParameterServer:
                 link = _ReceiverLink(self._zmq, f"ipc://{path}", self.rank, timeout, alive)
             pairs = self._all_gather((self.device_id, link.address if link else None))
             mapping = {dev: addr for dev, addr in pairs if addr is not None}
-            if self.rank == 0:
+            if self.rank == 0 or req_on_all_ranks:
                 req = _ReqThread(req_func, mapping)
                 req.start()
             try:
@@ -381,7 +388,7 @@ class ParameterServer:
                     alive()
                 except _Failed as f:
                     failure = f.failure
-            if not self._agree(failure is not None):
+            if k % max(1, self.config.agree_every) == 0 and not self._agree(failure is not None):
                 return failure, False
             slot = buf.slot(k % num_slots, bucket.nbytes)
             in_place = ckpt.in_place_source(bucket.items) if self.rank == bucket.owner else None
