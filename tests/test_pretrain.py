@@ -181,3 +181,26 @@ def test_two_process_fsdp2_matches_one_process(tmp_path, corpus):
         assert abs(a - b) <= 1e-4 * abs(a), (one, two)
     # The multi-process checkpoint holds the full model, which exports like any other.
     assert main(["export", str(tmp_path / "two"), "--out", str(tmp_path / "two_hf")]) == 0
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_loss_grads_and_expert_loads(tmp_path, corpus, mode):
+    from k2_stack.pretrain.trainer import build_model, lm_loss
+
+    ids = torch.randint(0, 8192, (2, 32), generator=torch.Generator().manual_seed(1))
+    results = []
+    for ac in ("none", mode):
+        model = build_model(_cfg(tmp_path, corpus, activation_checkpointing=ac, model_overrides=dict(SMALL, num_hidden_layers=3)),
+                            8192, torch.device("cpu"))
+        model.train()
+        loss = lm_loss(model, ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), grads, model.expert_load().clone(), model.attention_max_logits().clone()))
+    (l0, g0, load0, s0), (l1, g1, load1, s1) = results
+    assert torch.equal(l0, l1)
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-7, msg=n)
+    assert torch.equal(load0, load1)  # the recompute did not count tokens twice
+    assert torch.equal(s0, s1)

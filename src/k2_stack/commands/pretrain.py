@@ -46,7 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", type=Path, help="JSON or TOML file with PretrainConfig fields (flags override it)")
     p.add_argument("--out", type=str, help="the run directory")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
-    p.add_argument("--activation-checkpointing", action="store_true", default=None, help="recompute layers in backward")
+    p.add_argument("--activation-checkpointing", choices=["none", "full", "selective"], default=None,
+                   help="recompute layers in backward: every layer (full) or every other layer (selective)")
     for name, typ, help_ in _FLAGS:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, help=help_)
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -71,7 +72,7 @@ def build_config(args: argparse.Namespace):
     if args.out is not None:
         overrides["out"] = args.out
     if args.activation_checkpointing is not None:
-        overrides["activation_checkpointing"] = True
+        overrides["activation_checkpointing"] = args.activation_checkpointing
     return dataclasses.replace(cfg, **overrides)
 
 

@@ -50,7 +50,9 @@ class PretrainConfig:
     stop_at: int = 0  # stop (and checkpoint) after this step, as if interrupted; 0 = never
     seed: int = 0
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
-    activation_checkpointing: bool = False
+    # Recompute activations in backward: "full" = every decoder layer, "selective" = every
+    # other layer (torchtitan's layer-frequency SAC), "none".
+    activation_checkpointing: str = "none"
     # After each step, re-run the step's first micro-batch (no grad) and log the max logit the
     # updated (clipped) weights give: `max_logit_after_clip`. Costs about a third of a step.
     log_post_clip_logit: bool = False
@@ -77,6 +79,8 @@ class PretrainConfig:
         need(self.eval_every >= 0, "eval_every", ">= 0")
         need(self.save_every >= 0, "save_every", ">= 0")
         need(self.dtype in ("auto", "fp32", "bf16"), "dtype", "auto, fp32 or bf16")
+        need(self.activation_checkpointing in ("none", "full", "selective"), "activation_checkpointing",
+             "none, full or selective")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -9,6 +9,7 @@ and hold everything needed to continue bit for bit (model, optimizer, scheduler,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -70,22 +71,42 @@ def build_model(cfg: PretrainConfig, vocab_size: int, device: torch.device) -> K
         )
     torch.manual_seed(cfg.seed)
     model = K2ForCausalLM(config).to(device)
-    if cfg.activation_checkpointing:
-        enable_activation_checkpointing(model)
+    if cfg.activation_checkpointing != "none":
+        enable_activation_checkpointing(model, every=1 if cfg.activation_checkpointing == "full" else 2)
     return model
 
 
-def enable_activation_checkpointing(model: K2ForCausalLM) -> None:
-    """Recompute each decoder layer in backward instead of keeping its activations."""
+def enable_activation_checkpointing(model: K2ForCausalLM, every: int = 1) -> None:
+    """Recompute every `every`-th decoder layer in backward instead of keeping its activations.
+
+    The recomputed forward runs in training mode, so it would count its tokens into the routers'
+    expert loads a second time; its context restores the loads afterwards. (The max logits it
+    re-records are the same values, and a max is unchanged by a repeat.)"""
     from torch.utils.checkpoint import checkpoint
 
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
+        if i % every:
+            continue
         inner = layer.forward
+        routers = [m for m in layer.modules() if isinstance(getattr(m, "expert_load", None), torch.Tensor)]
 
-        def forward(*args: Any, _inner=inner, **kwargs: Any) -> torch.Tensor:
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+        def contexts(_routers=routers):
+            return contextlib.nullcontext(), _keep_expert_loads(_routers)
+
+        def forward(*args: Any, _inner=inner, _contexts=contexts, **kwargs: Any) -> torch.Tensor:
+            return checkpoint(_inner, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
 
         layer.forward = forward  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _keep_expert_loads(routers: list[nn.Module]):
+    saved = [r.expert_load.clone() for r in routers]
+    try:
+        yield
+    finally:
+        for r, load in zip(routers, saved):
+            r.expert_load.copy_(load)
 
 
 def build_optimizer(cfg: PretrainConfig, model: nn.Module) -> torch.optim.Optimizer:
