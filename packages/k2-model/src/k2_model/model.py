@@ -66,8 +66,10 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.C)
         self.kv_b_proj = nn.Linear(self.C, H * (self.P + self.V), bias=False)
         self.o_proj = nn.Linear(H * self.V, D, bias=bias)
-        # "sdpa": fused attention + a no-grad score pass for max logits; "eager": explicit softmax.
-        self.attn_impl = "sdpa"
+        # "sdpa": fused attention + a no-grad score pass for max logits; "eager": explicit softmax
+        # whose score tensor gives the max logits for free; "auto": eager when training on CPU
+        # (measured faster there, see the README), sdpa otherwise.
+        self.attn_impl = "auto"
         self.register_buffer("max_logits_H", torch.full((H,), -math.inf), persistent=False)
 
     def forward(self, x_BSD: Tensor, cos_BSR2: Tensor, sin_BSR2: Tensor, mask_BSL: Tensor | None) -> Tensor:
@@ -92,7 +94,10 @@ class MLAttention(nn.Module):
         k_BHSDh = torch.cat((k_nope_BHSP, k_rope_B1SR.expand(B, H, S, R)), dim=-1)
         mask_B1SL = None if mask_BSL is None else mask_BSL.unsqueeze(1)
 
-        if self.attn_impl == "eager":
+        impl = self.attn_impl
+        if impl == "auto":
+            impl = "eager" if self.training and x_BSD.device.type == "cpu" else "sdpa"
+        if impl == "eager":
             # scale and mask in one GEMM epilogue: scores = scale * q k^T + (0 | -inf)
             bias_B1SL = _mask_bias(mask_B1SL, S, x_BSD.device, q_BHSDh.dtype)
             scores_BHSL = torch.baddbmm(
@@ -266,8 +271,8 @@ class K2ForCausalLM(nn.Module):
                 m.max_logits_H.fill_(-math.inf)
 
     def set_attention_impl(self, impl: str) -> None:
-        if impl not in ("sdpa", "eager"):
-            raise ValueError(f"attention impl must be 'sdpa' or 'eager', got {impl!r}")
+        if impl not in ("auto", "sdpa", "eager"):
+            raise ValueError(f"attention impl must be 'auto', 'sdpa' or 'eager', got {impl!r}")
         for m in self.modules():
             if isinstance(m, MLAttention):
                 m.attn_impl = impl

@@ -76,11 +76,10 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
     def forward(self, x_ND: Tensor, offsets_E: Tensor) -> Tensor:
-        # gate and up share one grouped GEMM: half the per-expert GEMM launches (on CPU,
-        # _grouped_mm loops over experts internally); the cat of weights is cheap next to it.
-        gate_up_E2ID = torch.cat((self.gate_proj, self.up_proj), dim=1)
-        h_N2I = torch._grouped_mm(x_ND, gate_up_E2ID.transpose(-1, -2), offs=offsets_E)
-        gate_NI, up_NI = h_N2I.chunk(2, dim=-1)
+        # Separate gate and up GEMMs: concatenating the weights on the fly would copy all experts'
+        # weights (and their gradients) every step, which costs more on CPU than the extra launch.
+        gate_NI = torch._grouped_mm(x_ND, self.gate_proj.transpose(-1, -2), offs=offsets_E)
+        up_NI = torch._grouped_mm(x_ND, self.up_proj.transpose(-1, -2), offs=offsets_E)
         return torch._grouped_mm(F.silu(gate_NI) * up_NI, self.down_proj.transpose(-1, -2), offs=offsets_E)
 
 
