@@ -13,6 +13,7 @@ Rows (ratio = ours / anchor, lower is better; targets from issue 3):
       vs torch.optim.Muon as shipped (bf16 NS, one matrix at a time)          target <= 0.10
   (2) NS only, equal precision (fp32): k2_optim.newton_schulz (batched, fused baddbmm)
       vs a plain PyTorch batched NS (matmul, then elementwise a/b/c)          target <= 0.85
+      (2b) the same in bf16 (informative; fast only on CPUs with AVX512-BF16/AMX)
   (3) on CUDA (when present): bf16 NS TFLOP/s, ours vs the plain torch.matmul NS.
 Timings: best of --repeats, ours and anchor interleaved (the 2-core CI machine is shared).
 """
@@ -33,6 +34,7 @@ from collections.abc import Callable  # noqa: E402
 
 import torch  # noqa: E402
 from k2_optim import Muon, newton_schulz, resolve_ns_schedule  # noqa: E402
+from k2_optim.muon import cpu_has_native_bf16, default_ns_dtype  # noqa: E402
 
 # legend: B batch of matrices, M rows (Gram side), N columns
 
@@ -140,17 +142,28 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cases", default="tiny,moe")
     ap.add_argument("--skip-torch-bf16", action="store_true", help="skip row (1)'s torch.optim.Muon anchor")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cpu = platform.processor() or platform.machine()
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(
+        f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu}, {os.cpu_count()} cpus, "
+        f"native bf16: {cpu_has_native_bf16()}, Muon CPU default NS dtype: {default_ns_dtype(torch.device('cpu'))}, "
+        f"load average at start: {load:.1f}"
+    )
     rows = []
     for case in args.cases.split(","):
         shapes = case_shapes(case)
         nmat = sum(n for n, _, _ in shapes)
         t_ours, t_ref = muon_step_case(shapes, args.repeats, args.skip_torch_bf16)
-        rows.append((case, f"(1) Muon step, {nmat} matrices", "torch.optim.Muon (bf16 NS)", t_ours, t_ref, 0.10))
+        ns_dt = str(default_ns_dtype(torch.device("cpu"))).replace("torch.", "")
+        rows.append((case, f"(1) Muon step, {nmat} matrices ({ns_dt} NS)", "torch.optim.Muon (bf16 NS)", t_ours, t_ref, 0.10))
         t_ns, t_plain = ns_case(shapes, args.repeats, "cpu", torch.float32)
         rows.append((case, "(2) NS fp32, batched", "plain batched NS fp32", t_ns, t_plain, 0.85))
+        t_ns, t_plain = ns_case(shapes, args.repeats, "cpu", torch.bfloat16)
+        rows.append((case, "(2b) NS bf16, batched", "plain batched NS bf16", t_ns, t_plain, 0.85))
         if torch.cuda.is_available():
             t_ns, t_plain = ns_case(shapes, max(args.repeats, 10), "cuda", torch.bfloat16)
             fl = ns_flops(shapes)

@@ -62,7 +62,7 @@ def fsdp_worker(rank, world, out_dir):
     for m in (model.inp, model.mid, model.fused, model.out):
         fully_shard(m)
     fully_shard(model)
-    opt = Muon(groups(model), lr=0.05, weight_decay=0.1)
+    opt = Muon(groups(model), lr=0.05, weight_decay=0.1, ns_dtype=torch.float32)
     run_steps(model, opt)
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
     sharded = {n: type(p).__name__ for n, p in model.named_parameters()}
@@ -116,7 +116,7 @@ def make_mla():
     return loud_mla_model(seed=3, gain=6.0)
 
 
-MLA_KW = dict(lr=1e-2, weight_decay=0.1, tau=5.0)
+MLA_KW = dict(lr=1e-2, weight_decay=0.1, tau=5.0, ns_dtype=torch.float32)
 
 
 def muonclip_fsdp_worker(rank, world, out_dir):

@@ -46,7 +46,7 @@ def test_fsdp2_muon_matches_single_process(dist_run):
     assert set(got["types"].values()) == {"DTensor"}  # it really ran on sharded params
     w = _load_worker()
     model = w.make()
-    w.run_steps(model, Muon(w.groups(model), lr=0.05, weight_decay=0.1))
+    w.run_steps(model, Muon(w.groups(model), lr=0.05, weight_decay=0.1, ns_dtype=torch.float32))
     for n, p in model.named_parameters():
         rel = (got["params"][n] - p.detach()).norm() / p.detach().norm()
         assert rel <= 1e-5, (n, float(rel))

@@ -37,11 +37,11 @@ def test_bf16_update_equals_torch_muon(nesterov):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-def test_fp32_default_on_cpu_matches_float64_run():
-    # The CPU default NS dtype is fp32: compare with a float64 run of the same algorithm.
+def test_fp32_ns_matches_float64_run():
+    # fp32 NS (the default on CPUs without native bf16) against a float64 run of the same algorithm.
     ours, ref = _pairs([(24, 40), (40, 24)])
     ref64 = [torch.nn.Parameter(p.detach().double()) for p in ref]
-    o1 = Muon(ours, lr=0.05, weight_decay=0.1)
+    o1 = Muon(ours, lr=0.05, weight_decay=0.1, ns_dtype=torch.float32)
     o2 = Muon(ref64, lr=0.05, weight_decay=0.1, ns_dtype=torch.float64)
     for step in range(2):
         _set_grads(ours, ref64, seed=7 + step)
@@ -56,8 +56,8 @@ def test_stacked_experts_equal_per_expert_2d_params():
     g = torch.Generator().manual_seed(1)
     w = torch.nn.Parameter(torch.randn(E, O, I, generator=g))
     singles = [torch.nn.Parameter(w.detach()[e].clone()) for e in range(E)]
-    o1 = Muon([w], lr=0.03, weight_decay=0.05)
-    o2 = Muon(singles, lr=0.03, weight_decay=0.05)
+    o1 = Muon([w], lr=0.03, weight_decay=0.05, ns_dtype=torch.float32)
+    o2 = Muon(singles, lr=0.03, weight_decay=0.05, ns_dtype=torch.float32)
     for _step in range(3):
         grad = torch.randn(E, O, I, generator=g)
         w.grad = grad.clone()
@@ -76,12 +76,12 @@ def test_fused_gate_up_orthogonalised_separately(how):
     gate = torch.nn.Parameter(gate_up.detach()[:, :F].clone())
     up = torch.nn.Parameter(gate_up.detach()[:, F:].clone())
     if how == "group":
-        o1 = Muon([{"params": [gate_up], "split_sizes": (F, F)}], lr=0.03, weight_decay=0.1)
+        o1 = Muon([{"params": [gate_up], "split_sizes": (F, F)}], lr=0.03, weight_decay=0.1, ns_dtype=torch.float32)
     else:
-        o1 = Muon([declare_fused(gate_up, (F, F))], lr=0.03, weight_decay=0.1)
-    o2 = Muon([gate, up], lr=0.03, weight_decay=0.1)
+        o1 = Muon([declare_fused(gate_up, (F, F))], lr=0.03, weight_decay=0.1, ns_dtype=torch.float32)
+    o2 = Muon([gate, up], lr=0.03, weight_decay=0.1, ns_dtype=torch.float32)
     unsplit = torch.nn.Parameter(gate_up.detach().clone())
-    o3 = Muon([unsplit], lr=0.03, weight_decay=0.1)
+    o3 = Muon([unsplit], lr=0.03, weight_decay=0.1, ns_dtype=torch.float32)
     for _ in range(2):
         grad = torch.randn(E, 2 * F, D, generator=g)
         gate_up.grad, unsplit.grad = grad.clone(), grad.clone()
@@ -137,3 +137,13 @@ def test_bad_arguments_have_clear_errors():
         Muon([{"params": [torch.nn.Parameter(torch.zeros(6, 4))], "split_sizes": (3, 2)}])
     with pytest.raises(ValueError, match="ns_coefficients"):
         Muon([torch.nn.Parameter(torch.zeros(6, 4))], ns_coefficients="nope")
+
+
+def test_default_ns_dtype_follows_hardware(monkeypatch):
+    from k2_optim import muon
+
+    assert muon.default_ns_dtype(torch.device("cuda")) == torch.bfloat16
+    monkeypatch.setattr(muon, "cpu_has_native_bf16", lambda: False)
+    assert muon.default_ns_dtype(torch.device("cpu")) == torch.float32  # AVX2: bf16 emulated, ~30x slower
+    monkeypatch.setattr(muon, "cpu_has_native_bf16", lambda: True)
+    assert muon.default_ns_dtype(torch.device("cpu")) == torch.bfloat16
