@@ -37,11 +37,11 @@ def test_bf16_update_equals_torch_muon(nesterov):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-def test_fp32_ns_matches_float64_run():
-    # fp32 NS (the default on CPUs without native bf16) against a float64 run of the same algorithm.
+def test_cpu_default_fp32_matches_float64_run():
+    # the CPU default (fp32 NS) against a float64 run of the same algorithm
     ours, ref = _pairs([(24, 40), (40, 24)])
     ref64 = [torch.nn.Parameter(p.detach().double()) for p in ref]
-    o1 = Muon(ours, lr=0.05, weight_decay=0.1, ns_dtype=torch.float32)
+    o1 = Muon(ours, lr=0.05, weight_decay=0.1)  # default on CPU: fp32
     o2 = Muon(ref64, lr=0.05, weight_decay=0.1, ns_dtype=torch.float64)
     for step in range(2):
         _set_grads(ours, ref64, seed=7 + step)
@@ -139,11 +139,16 @@ def test_bad_arguments_have_clear_errors():
         Muon([torch.nn.Parameter(torch.zeros(6, 4))], ns_coefficients="nope")
 
 
-def test_default_ns_dtype_follows_hardware(monkeypatch):
+def test_default_ns_dtype_contract_and_auto(monkeypatch):
     from k2_optim import muon
 
-    assert muon.default_ns_dtype(torch.device("cuda")) == torch.bfloat16
-    monkeypatch.setattr(muon, "cpu_has_native_bf16", lambda: False)
-    assert muon.default_ns_dtype(torch.device("cpu")) == torch.float32  # AVX2: bf16 emulated, ~30x slower
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert muon.default_ns_dtype(cuda) == torch.bfloat16
     monkeypatch.setattr(muon, "cpu_has_native_bf16", lambda: True)
-    assert muon.default_ns_dtype(torch.device("cpu")) == torch.bfloat16
+    assert muon.default_ns_dtype(cpu) == torch.float32  # the default on CPU is fp32, whatever the CPU
+    assert muon.default_ns_dtype(cpu, "auto") == torch.bfloat16  # auto: native bf16 GEMMs -> bf16
+    monkeypatch.setattr(muon, "cpu_has_native_bf16", lambda: False)
+    assert muon.default_ns_dtype(cpu, "auto") == torch.float32  # AVX2: bf16 emulated, ~30x slower
+    assert muon.default_ns_dtype(cpu, torch.float64) == torch.float64
+    with pytest.raises(ValueError, match="ns_dtype"):
+        Muon([torch.nn.Parameter(torch.zeros(4, 4))], ns_dtype="fast")

@@ -70,14 +70,22 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
-def default_ns_dtype(device: torch.device) -> torch.dtype:
-    """The NS compute dtype when `ns_dtype=None`: bf16 where bf16 GEMMs are native and fast
-    (CUDA; CPUs with AVX512-BF16/AMX, where bf16 NS measured ~2x faster than fp32), fp32 on
-    other CPUs (AVX2 only: bf16 is emulated there and measured ~30x slower than fp32)."""
+def default_ns_dtype(device: torch.device, ns_dtype: torch.dtype | str | None = None) -> torch.dtype:
+    """The NS compute dtype for `ns_dtype` on `device`.
+
+    None (the default): bf16 on CUDA, fp32 on CPU — the issue's contract, made for AVX2-only CPUs
+    where bf16 is emulated (~30x slower than fp32). "auto": bf16 wherever bf16 GEMMs are native,
+    i.e. CUDA and CPUs with AVX512-BF16/AMX (there bf16 NS measured ~2x faster than fp32).
+    A torch.dtype is used as given.
+    """
+    if isinstance(ns_dtype, torch.dtype):
+        return ns_dtype
+    if ns_dtype not in (None, "auto"):
+        raise ValueError(f"ns_dtype must be a torch.dtype, None or 'auto', got {ns_dtype!r}")
     if device.type == "cuda":
         return torch.bfloat16
-    if device.type == "cpu":
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    if ns_dtype == "auto" and device.type == "cpu" and cpu_has_native_bf16():
+        return torch.bfloat16
     return torch.float32
 
 
@@ -127,8 +135,8 @@ class Muon(Optimizer):
         momentum, nesterov: EMA momentum as in torch.optim.Muon.
         ns_steps: Newton-Schulz iterations.
         ns_coefficients: "keller" (default), "polar_express", one (a, b, c) or a list of them.
-        ns_dtype: NS compute dtype; None = `default_ns_dtype(device)`: bf16 on CUDA and on CPUs
-            with native bf16 (AVX512-BF16/AMX), fp32 on other CPUs.
+        ns_dtype: NS compute dtype; None = bf16 on CUDA, fp32 on CPU; "auto" = bf16 wherever
+            bf16 GEMMs are native (CUDA, CPUs with AVX512-BF16/AMX); or a torch.dtype.
         eps: floor of the Frobenius norm in the NS normalisation.
         adjust_lr_fn: "match_rms_adamw" (default, K2), "original" or None.
     """
@@ -142,7 +150,7 @@ class Muon(Optimizer):
         nesterov: bool = True,
         ns_steps: int = 5,
         ns_coefficients: str | Coeffs | Sequence[Coeffs] = "keller",
-        ns_dtype: torch.dtype | None = None,
+        ns_dtype: torch.dtype | str | None = None,
         eps: float = 1e-7,
         adjust_lr_fn: str | None = "match_rms_adamw",
     ) -> None:
@@ -154,6 +162,7 @@ class Muon(Optimizer):
             raise ValueError(f"Muon: momentum must be in [0, 1), got {momentum}")
         resolve_ns_schedule(ns_coefficients, ns_steps)  # validate early, with a clear message
         adjust_lr(1.0, adjust_lr_fn, 1, 1)
+        default_ns_dtype(torch.device("cpu"), ns_dtype)  # validate
         defaults = dict(
             lr=lr,
             weight_decay=weight_decay,
@@ -252,7 +261,7 @@ class Muon(Optimizer):
         schedule = resolve_ns_schedule(group["ns_coefficients"], group["ns_steps"])
         buckets: dict[tuple, list[tuple[Tensor, Tensor]]] = defaultdict(list)
         for dest, piece in items:
-            ns_dtype = group["ns_dtype"] or default_ns_dtype(piece.device)
+            ns_dtype = default_ns_dtype(piece.device, group["ns_dtype"])
             buckets[(tuple(piece.shape[-2:]), piece.device, ns_dtype)].append((dest, piece))
         for (shape, _device, ns_dtype), bucket in buckets.items():
             out_dim, in_dim = shape

@@ -129,7 +129,7 @@ class MuonClip(Muon):
         nesterov: bool = True,
         ns_steps: int = 5,
         ns_coefficients: str | Coeffs | Sequence[Coeffs] = "keller",
-        ns_dtype: torch.dtype | None = None,
+        ns_dtype: torch.dtype | str | None = None,
         eps: float = 1e-7,
         adjust_lr_fn: str | None = "match_rms_adamw",
         betas: tuple[float, float] = (0.9, 0.95),
