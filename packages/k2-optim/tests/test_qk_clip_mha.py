@@ -195,6 +195,8 @@ def test_hf_deepseek_v3_routing_splits_fused_gate_up():
         qk_rope_head_dim=4, v_head_dim=8,
     )
     model = transformers.DeepseekV3ForCausalLM(cfg)
+    with pytest.warns(UserWarning, match="QK-Clip is off"):
+        MuonClip(model, lr=1e-3)  # tau set, but no protocol and no adapter: say so
     opt = MuonClip(model, lr=1e-3, tau=None)
     names = {id(p): n for n, p in model.named_parameters()}
     by_name = {names[id(p)]: g for g in opt.param_groups for p in g["params"]}

@@ -19,6 +19,7 @@ Which optimizer gets which parameter (`muonclip_param_groups`):
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -144,6 +145,13 @@ class MuonClip(Muon):
             groups = muonclip_param_groups(model_or_params, router=router, fused=fused)
             if qk_clip is None and supports_qk_clip(model_or_params):
                 qk_clip = model_or_params
+            elif qk_clip is None and tau is not None:
+                warnings.warn(
+                    f"MuonClip: {type(model_or_params).__name__} does not implement the QK-Clip protocol and no "
+                    "qk_clip= source was given, so QK-Clip is off (Muon + AdamW only). For an MHA/GQA model pass "
+                    "qk_clip=k2_optim.attach_qk_clip(model); pass tau=None to silence this.",
+                    stacklevel=2,
+                )
         else:
             groups = [dict(g) for g in model_or_params]
             for i, g in enumerate(groups):
