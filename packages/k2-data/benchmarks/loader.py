@@ -73,7 +73,7 @@ def main() -> int:
     print("| what | ms per step | share of the model step |\n|---|---|---|")
     for name, ms in rows:
         share = ms / step_ms if step_ms == step_ms else float("nan")
-        print(f"| {name} | {ms:.2f} | {share:.2%} |")
+        print(f"| {name} | {ms:.2f} | {share:.3%} |")
     return 0
 
 

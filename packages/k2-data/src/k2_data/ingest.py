@@ -65,7 +65,7 @@ class TokenizeConfig:
     # "auto": the BPE's tiktoken engine where it has one (about 5x faster), with every
     # `check_every`-th document re-encoded by HF and compared; "hf": HF tokenizers only
     engine: str = "auto"
-    check_every: int = 16
+    check_every: int = 64
 
     def validate(self) -> None:
         if self.format not in ("arrow", "parquet"):
@@ -446,6 +446,7 @@ def tokenize_corpus(
         else:
             todo.append(task)
     tok_path = str(tokenizer) if tokenizer is not None else str(_default_path())
+    _WORKER_TOKENIZER[tok_path] = tok  # forked workers inherit it instead of parsing it again
     done = len(results)
     if config.workers == 1 or len(todo) <= 1:
         for task in todo:
