@@ -18,6 +18,7 @@ the boundary there is nothing to predict from the masked context.
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +135,17 @@ class PackedDataset:
                 f"too few for one sample of seq_len={seq_len}"
             )
         self._epochs: dict[int, _Epoch] = {}
+        self._lock = threading.Lock()  # loader threads may ask for a new epoch at the same time
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_lock")
+        state["_epochs"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return self._len
@@ -149,6 +161,10 @@ class PackedDataset:
         return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
 
     def _epoch(self, e: int) -> _Epoch:
+        with self._lock:
+            return self._epochs[e] if e in self._epochs else self._new_epoch(e)
+
+    def _new_epoch(self, e: int) -> _Epoch:
         if e not in self._epochs:
             if len(self._epochs) > 2:  # keep the current and next epoch
                 self._epochs.pop(min(self._epochs))
