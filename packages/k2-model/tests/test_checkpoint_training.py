@@ -279,3 +279,29 @@ def test_expert_load_counts_and_bias_update_direction() -> None:
     with torch.no_grad():
         model(ids)
     assert model.expert_load().sum() == 0
+
+
+def test_blockwise_eager_attention_equals_sdpa_with_masks() -> None:
+    """The eager path computes causal query blocks (S=200: 4 blocks of 64 + a partial one); with
+    document and padding masks it must equal SDPA in outputs, gradients and recorded max logits."""
+    cfg = small_config()
+    torch.manual_seed(4)
+    model = K2ForCausalLM(cfg).train()
+    ids = torch.randint(0, cfg.vocab_size, (2, 200))
+    doc = (torch.arange(200) >= 70).long()[None].expand(2, 200).clone()
+    doc[1] = (torch.arange(200) >= 130).long()
+    pad = torch.ones(2, 200, dtype=torch.long)
+    pad[1, 190:] = 0
+    results = {}
+    for impl in ("sdpa", "eager"):
+        model.set_attention_impl(impl)
+        model.zero_grad()
+        model.reset_attention_max_logits()
+        out = model(ids, labels=ids, attention_mask=pad, document_ids=doc)
+        out.loss.backward()
+        grad = model.model.layers[0].self_attn.q_b_proj.weight.grad.clone()
+        results[impl] = (out.logits.detach(), grad, model.attention_max_logits())
+    (a_logits, a_grad, a_max), (b_logits, b_grad, b_max) = results["sdpa"], results["eager"]
+    assert float((b_logits - a_logits).norm() / a_logits.norm()) < 1e-6
+    assert float((b_grad - a_grad).norm() / a_grad.norm()) < 1e-5
+    torch.testing.assert_close(b_max, a_max, rtol=1e-6, atol=1e-6)

@@ -98,18 +98,7 @@ class MLAttention(nn.Module):
         if impl == "auto":
             impl = "eager" if self.training and x_BSD.device.type == "cpu" else "sdpa"
         if impl == "eager":
-            # scale and mask in one GEMM epilogue: scores = scale * q k^T + (0 | -inf)
-            bias_B1SL = _mask_bias(mask_B1SL, S, x_BSD.device, q_BHSDh.dtype)
-            scores_BHSL = torch.baddbmm(
-                bias_B1SL.expand(B, H, S, S).reshape(B * H, S, S),
-                q_BHSDh.reshape(B * H, S, P + R),
-                k_BHSDh.reshape(B * H, S, P + R).transpose(1, 2),
-                alpha=self.softmax_scale,
-            ).view(B, H, S, S)
-            if self.training:
-                self._record_max_logits(scores_BHSL.detach())
-            probs_BHSL = F.softmax(scores_BHSL, dim=-1, dtype=torch.float32).to(q_BHSDh.dtype)
-            o_BHSV = torch.matmul(probs_BHSL, v_BHSV)
+            o_BHSV = self._eager_attention(q_BHSDh, k_BHSDh, v_BHSV, mask_B1SL)
         else:
             if self.training:
                 with torch.no_grad():
@@ -125,6 +114,39 @@ class MLAttention(nn.Module):
                     q_BHSDh, k_BHSDh, v_BHSV, attn_mask=mask_B1SL, scale=self.softmax_scale
                 )
         return self.o_proj(o_BHSV.transpose(1, 2).reshape(B, S, H * V))
+
+    def _eager_attention(
+        self, q_BHSDh: Tensor, k_BHSDh: Tensor, v_BHSV: Tensor, mask_B1SL: Tensor | None
+    ) -> Tensor:
+        """Explicit softmax attention over causal query blocks.
+
+        Query block [s0, s1) only needs keys [0, s1) (every mask here is causal), so computing
+        scores block by block skips most of the upper triangle (37.5% of the score and PV FLOPs at
+        4 blocks). The score tensor gives the max logits for free. Scale and mask are fused into
+        one baddbmm: scores = scale * q k^T + (0 | -inf).
+        """
+        B, H, S, Dh = q_BHSDh.shape
+        V = v_BHSV.shape[-1]
+        q_ZSDh = q_BHSDh.reshape(B * H, S, Dh)  # Z = B * H
+        k_ZSDh = k_BHSDh.reshape(B * H, S, Dh)
+        v_ZSV = v_BHSV.reshape(B * H, S, V)
+        bias_b1SL = _mask_bias(mask_B1SL, S, q_BHSDh.device, q_BHSDh.dtype)  # b = 1 or B
+        block = max(64, -(-S // 8))
+        outs = []
+        for s0 in range(0, S, block):
+            s1 = min(S, s0 + block)
+            bias = bias_b1SL[:, :, s0:s1, :s1]
+            bias = (
+                bias[0] if bias.shape[0] == 1 else bias.expand(B, H, s1 - s0, s1).reshape(B * H, s1 - s0, s1)
+            )
+            scores_ZQL = torch.baddbmm(
+                bias, q_ZSDh[:, s0:s1], k_ZSDh[:, :s1].transpose(1, 2), alpha=self.softmax_scale
+            )
+            if self.training:
+                self._record_max_logits(scores_ZQL.detach().view(B, H, s1 - s0, s1))
+            probs_ZQL = F.softmax(scores_ZQL, dim=-1, dtype=torch.float32).to(q_BHSDh.dtype)
+            outs.append(torch.bmm(probs_ZQL, v_ZSV[:, :s1]))
+        return torch.cat(outs, dim=1).view(B, H, S, V)
 
     @torch.no_grad()
     def _record_max_logits(self, scores_BHSL: Tensor) -> None:
