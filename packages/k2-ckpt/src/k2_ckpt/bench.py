@@ -93,7 +93,8 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, run_dir: str) -> dict:
         ps.register_checkpoint("bench", named_tensors=mine)
         del mine
         req = engines_req_func(run_dir, world, timeout_s=300)
-        ps.update("bench", req)  # warm-up: page in buffers, connect sockets
+        for _ in range(2):  # warm-up: page in both receive arenas, connect sockets
+            ps.update("bench", req)
         # interleave update and raw-broadcast repeats so both see the same machine load
         times, raw_chunked, raw_whole, stats = [], [], [], None
         for _ in range(cfg.repeats):

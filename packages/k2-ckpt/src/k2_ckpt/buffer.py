@@ -78,7 +78,8 @@ class SlotBuffer:
         self.data = torch.empty(0, dtype=torch.uint8)
 
 
-_MAPPED: dict[tuple[str, int], torch.Tensor] = {}  # receiver side: the last shm buffer mapped
+_MAPPED: dict[tuple[str, int], torch.Tensor] = {}  # receiver side: recently mapped transfer buffers
+_MAPPED_KEEP = 3  # slots + two alternating receive arenas
 
 
 def open_buffer(handle: dict, device: torch.device | None = None) -> torch.Tensor:
@@ -87,10 +88,13 @@ def open_buffer(handle: dict, device: torch.device | None = None) -> torch.Tenso
     kind = handle.get("kind")
     if kind == "shm":
         key = (handle["path"], int(handle["nbytes"]))
-        if key not in _MAPPED:
-            _MAPPED.clear()
-            _MAPPED[key] = torch.from_file(key[0], shared=True, size=key[1], dtype=torch.uint8)
-        return _MAPPED[key]
+        buf = _MAPPED.pop(key, None)
+        if buf is None:
+            buf = torch.from_file(key[0], shared=True, size=key[1], dtype=torch.uint8)
+        _MAPPED[key] = buf  # most recent last
+        while len(_MAPPED) > _MAPPED_KEEP:
+            del _MAPPED[next(iter(_MAPPED))]
+        return buf
     if kind == "cuda_ipc":
         func, args = pickle.loads(base64.b64decode(handle["pickle"]))
         args = list(args)

@@ -80,6 +80,10 @@ class ServerConfig:
     # a sync point across ranks, so fewer votes pipeline better; a failure stops the
     # broadcast at most n buckets later (its receiver is no longer fed meanwhile)
     agree_every: int = 4
+    # CPU only: receive every bucket straight into a model-sized shared arena (two, alternating)
+    # instead of two bucket slots, so receivers stage views and copy nothing; costs 2x the
+    # checkpoint in /dev/shm per receiving rank
+    cpu_receive_arena: bool = True
     abort_timeout_s: float = 2.0  # how long an abort waits for the receiver's reply
     socket_dir: str = field(default_factory=tempfile.gettempdir)
 
@@ -215,6 +219,8 @@ class ParameterServer:
         self._zmq = zmq.Context()
         self.last_stats: UpdateStats | None = None
         self._buffer: SlotBuffer | None = None
+        self._recv_arenas: list[SlotBuffer | None] = [None, None]
+        self._live_arena: int | None = None
 
     # ---- registration (local: no collectives) ----
 
@@ -312,7 +318,17 @@ class ParameterServer:
         ckpt = self._ckpts[name]
         receiving = self.rank in receivers
 
-        buf = self._slot_buffer(bucket_bytes)
+        zero_copy = receiving and self.device.type == "cpu" and cfg.cpu_receive_arena
+        if zero_copy:
+            offsets, total = [], 0
+            for b in plan:  # bucket k at offsets[k]: a split tensor's chunks end up contiguous
+                offsets.append(total)
+                total += (b.nbytes + ALIGN - 1) // ALIGN * ALIGN
+            arena_idx = self._receive_arena(total)
+            buf = self._recv_arenas[arena_idx]
+        else:
+            offsets = [(k % cfg.num_slots) * bucket_bytes for k in range(len(plan))]
+            buf = self._slot_buffer(bucket_bytes)
         link: _ReceiverLink | None = None
         req: _ReqThread | None = None
         failure: RankFailure | None = None
@@ -335,12 +351,17 @@ class ParameterServer:
                 if link is not None:
                     link.send(BufferMsg(handle=buf.handle(), slot_bytes=bucket_bytes, num_slots=cfg.num_slots,
                                         checkpoint=name, num_buckets=len(plan),
-                                        sources=[a.handle() for a in ckpt.arenas]))
+                                        sources=[a.handle() for a in ckpt.arenas], zero_copy=zero_copy))
                     link.recv("report ready")
                 self._mark("connect")
             except _Failed as f:
                 failure = f.failure
-            failure, ok = self._run_buckets(plan, ckpt, buf, link, alive, failure)
+            failure, ok = self._run_buckets(plan, ckpt, buf, offsets, not zero_copy, link, alive, failure)
+            if zero_copy and ok:
+                self._live_arena = arena_idx  # the receiver may now hold views of it: never overwrite
+            elif zero_copy and failure is not None and failure.kind.startswith("commit_"):
+                self._recv_arenas = [None, None]  # a half-done commit may reference either arena
+                self._live_arena = None
             if ok:
                 return self._finish(name, t0, plan, bucket_bytes, metas, req, timeout)
             self._abort_and_raise(name, link, failure, cfg.abort_timeout_s)
@@ -360,10 +381,23 @@ class ParameterServer:
             buf.data.fill_(0)  # touch every page once, here rather than inside the first update
         return buf
 
-    def _run_buckets(self, plan: list[Bucket], ckpt: HostCheckpoint, buf: SlotBuffer,
-                     link: _ReceiverLink | None, alive: Callable[[], None],
+    def _receive_arena(self, nbytes: int) -> int:
+        """Index of the receive arena to fill: never the one the receiver's weights may view."""
+        use = 1 if self._live_arena == 0 else 0
+        arena = self._recv_arenas[use]
+        if arena is None or arena.data.numel() != nbytes:
+            if arena is not None:
+                arena.close()
+            arena = SlotBuffer(max(nbytes, ALIGN), 1, self.device)
+            arena.data.fill_(0)  # fault the pages in now, not inside the timed update
+            self._recv_arenas[use] = arena
+        return use
+
+    def _run_buckets(self, plan: list[Bucket], ckpt: HostCheckpoint, buf: SlotBuffer, offsets: list[int],
+                     reuse_slots: bool, link: _ReceiverLink | None, alive: Callable[[], None],
                      failure: RankFailure | None) -> tuple[RankFailure | None, bool]:
-        """Broadcast every bucket through the slots, then two-phase commit. Returns (failure, ok)."""
+        """Broadcast every bucket into `buf` at `offsets[k]` (reused slots wait for the receiver's
+        ack of bucket k - num_slots), then two-phase commit. Returns (failure, ok)."""
         num_slots = self.config.num_slots
         inflight: deque[int] = deque()
 
@@ -383,14 +417,14 @@ class ParameterServer:
                         link.bucket = k
                         while (msg := link.try_recv()) is not None:
                             on_msg(msg)
-                        while inflight and inflight[0] <= k - num_slots:  # the slot must be free
+                        while reuse_slots and inflight and inflight[0] <= k - num_slots:  # slot must be free
                             on_msg(link.recv(f"ack bucket {inflight[0]}"))
                     alive()
                 except _Failed as f:
                     failure = f.failure
             if k % max(1, self.config.agree_every) == 0 and not self._agree(failure is not None):
                 return failure, False
-            slot = buf.slot(k % num_slots, bucket.nbytes)
+            slot = buf.data[offsets[k]:offsets[k] + bucket.nbytes]
             in_place = ckpt.in_place_source(bucket.items) if self.rank == bucket.owner else None
             if in_place is not None:  # CPU: broadcast straight from the shared arena
                 arena, base = in_place
@@ -404,7 +438,7 @@ class ParameterServer:
                 torch.cuda.current_stream(slot.device).synchronize()
             if link is not None and failure is None:
                 try:
-                    link.send(BucketMsg(bucket=k, slot=k % num_slots, items=bucket.items,
+                    link.send(BucketMsg(bucket=k, offset=offsets[k], items=bucket.items,
                                         source=in_place[0] if in_place else None,
                                         source_offset=in_place[1] if in_place else 0))
                     inflight.append(k)
@@ -498,6 +532,10 @@ class ParameterServer:
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None
+        for a in self._recv_arenas:
+            if a is not None:
+                a.close()
+        self._recv_arenas, self._live_arena = [None, None], None
         self._zmq.term()
 
 

@@ -52,12 +52,15 @@ class BufferMsg(BaseModel):
     checkpoint: str
     num_buckets: int
     sources: list[dict] = []  # handles of this rank's shared arenas (CPU in-place path)
+    # CPU receive arena: the transfer buffer holds the whole update (bucket k at its own offset,
+    # a split tensor contiguous), so the receiver stages views, not copies
+    zero_copy: bool = False
 
 
 class BucketMsg(BaseModel):
     op: Literal["bucket"] = "bucket"
     bucket: int
-    slot: int
+    offset: int  # where the bucket starts in the transfer buffer (a slot, or its place in the arena)
     items: list[BucketItem]
     # set on the owner's own receiver when the bytes are read in place from a shared arena:
     # index into BufferMsg.sources and the bucket's base offset there (else: read the slot)

@@ -118,6 +118,7 @@ class _Receiver:
         self.failed = False
         self.buckets = 0
         self.sources: list[torch.Tensor] = []
+        self.zero_copy = False
         self.pool: dict[str, torch.Tensor] | None = getattr(loader, "staging_pool", None)
 
     def send(self, msg) -> None:
@@ -137,6 +138,7 @@ class _Receiver:
                 self.buf = open_buffer(msg.handle, self.device)
                 self.sources = open_sources(msg.sources)
                 self.slot_bytes, self.checkpoint = msg.slot_bytes, msg.checkpoint
+                self.zero_copy = msg.zero_copy and self.staged
                 self.send(ReadyReply(device_id=self.device_id))
             elif isinstance(msg, BucketMsg):
                 if not self.failed:
@@ -174,7 +176,7 @@ class _Receiver:
         if msg.source is not None:  # the owner's bytes, read in place from its shared arena
             buf, base = self.sources[msg.source], msg.source_offset
         else:
-            buf, base = self.buf, msg.slot * self.slot_bytes
+            buf, base = self.buf, msg.offset
         ready: list[tuple[str, torch.Tensor]] = []
         name = None
         try:
@@ -184,6 +186,18 @@ class _Receiver:
                 if it.chunk_start == 0:
                     self.loader.validate(it.name, dtype, tuple(it.shape))
                 src = buf[base + it.buf_offset:base + it.buf_offset + it.nbytes]
+                if self.zero_copy:  # the bytes stay where they landed until the next update
+                    if it.chunk_start == 0:
+                        whole = buf[base + it.buf_offset:base + it.buf_offset + it.tensor_nbytes]
+                        self.partial[it.name] = [whole, 0]
+                    part = self.partial[it.name]
+                    if src.data_ptr() != part[0].data_ptr() + it.chunk_start:
+                        raise RuntimeError(f"tensor {it.name!r}: chunk at byte {it.chunk_start} is not contiguous "
+                                           "with its first chunk in the receive arena")
+                    part[1] += it.nbytes
+                    if part[1] == it.tensor_nbytes:
+                        ready.append((it.name, from_bytes(self.partial.pop(it.name)[0], dtype, it.shape)))
+                    continue
                 if it.is_whole:
                     # staged: a private copy; direct: a view, copied out by load_weights below
                     data = self._stage_buffer(it.name, it.tensor_nbytes, src.device).copy_(src) if self.staged else src
@@ -218,6 +232,8 @@ class _Receiver:
                 commit(self.staging.items())
                 self.applied = list(self.staging)
                 self.staging.clear()
+                if self.zero_copy and self.pool is not None:
+                    self.pool.clear()  # staging lives in the arenas: do not hold old weights
             self.loader.post_load()
             return True
         except Exception as e:
