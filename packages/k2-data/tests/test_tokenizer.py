@@ -98,3 +98,20 @@ def test_missing_tokenizer_path_is_named(tmp_path):
         load_tokenizer(tmp_path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_tokenizer(tmp_path / "nope")
+
+
+@pytest.mark.slow
+def test_shipped_tokenizer_regenerates_from_its_script():
+    """`python -m k2_data.train_tokenizer` reproduces the shipped files where the corpus is the same."""
+    from k2_data.corpus import default_corpus_files
+    from k2_data.train_tokenizer import TRAINING_RECORD, corpus_sha256
+
+    record = json.loads((default_tokenizer_path() / TRAINING_RECORD).read_text())
+    shipped = load_tokenizer()
+    assert record["tokenizer_sha256"] == shipped.fingerprint() and record["vocab_size"] == 8192
+    files = default_corpus_files()
+    if corpus_sha256(files) != record["corpus_sha256"]:
+        pytest.skip(f"this Python's stdlib differs from the training corpus (Python {record['python']})")
+    from k2_data.corpus import iter_texts
+
+    assert train_bpe(iter_texts(files)).fingerprint() == shipped.fingerprint()

@@ -7,6 +7,9 @@ default corpus + 256 specials = 8192). `k2 data train-tokenizer` calls `train_bp
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import platform
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -58,13 +61,36 @@ def train_on_files(inputs: Iterable[str | Path] | None, vocab_size: int = DEFAUL
     return train_bpe(iter_texts(files), vocab_size=vocab_size)
 
 
+TRAINING_RECORD = "TRAINING.json"
+
+
+def corpus_sha256(files: list[Path]) -> str:
+    """Identity of a training corpus: its files' contents, in order."""
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.read_bytes())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=default_tokenizer_path(), help="output directory")
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     args = parser.parse_args(argv)
-    tok = train_on_files(None, vocab_size=args.vocab_size)
+    files = default_corpus_files()
+    tok = train_bpe(iter_texts(files), vocab_size=args.vocab_size)
     tok.save(args.out)
+    # what it was trained on, so a test can retrain and compare where the corpus is the same
+    record = {
+        "python": platform.python_version(),
+        "corpus": "default (stdlib *.py, tests and site-packages skipped)",
+        "corpus_files": len(files),
+        "corpus_sha256": corpus_sha256(files),
+        "vocab_size": tok.vocab_size,
+        "tokenizer_sha256": tok.fingerprint(),
+    }
+    (Path(args.out) / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out} ({tok.vocab_size} ids, sha256 {tok.fingerprint()[:16]})")
     return 0
 
