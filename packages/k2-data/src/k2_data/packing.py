@@ -48,36 +48,63 @@ def _numpy(arr: pa.Array, dtype: np.dtype) -> np.ndarray:
     return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * np.dtype(dtype).itemsize)
 
 
-def load_token_arrays(directory: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
-    """All documents of a tokenized dataset: (tokens_T int32, offsets_N+1 int64, doc_ids_N, manifest)."""
+@dataclass
+class DocIndex:
+    """Where every document's tokens are: chunk arrays (memory-mapped views for Arrow shards, so
+    the corpus is not copied into RAM) and per-document (chunk, start, length, doc_id)."""
+
+    chunks: list[np.ndarray]
+    chunk_N: np.ndarray
+    start_N: np.ndarray
+    length_N: np.ndarray
+    doc_id_N: np.ndarray
+    manifest: dict
+    keepalive: list  # the Arrow tables (and their memory maps) the views point into
+
+
+def load_doc_index(directory: str | Path) -> DocIndex:
     directory = Path(directory)
     manifest = load_manifest(directory)
-    values, lengths, doc_ids = [], [], []
+    chunks, chunk_ids, starts, lengths, doc_ids, tables = [], [], [], [], [], []
     for shard in manifest["shards"]:
         path = directory / shard["file"]
         if not path.is_file():
             raise FileNotFoundError(f"{path} listed in {directory / MANIFEST} is missing")
         if manifest["format"] == "arrow":
-            with pa.memory_map(str(path), "r") as source:
-                table = pa.ipc.open_file(source).read_all()
+            table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()  # zero-copy
         else:
             import pyarrow.parquet as pq
 
             table = pq.read_table(str(path), columns=["input_ids", "doc_id"])
         if table.num_rows != shard["rows"]:
             raise ValueError(f"{path}: {table.num_rows} rows, manifest says {shard['rows']}")
+        tables.append(table)
         for chunk in table.column("input_ids").chunks:
-            offsets = _numpy(chunk.offsets, np.int32)
-            values.append(_numpy(chunk.values, np.int32)[offsets[0] : offsets[-1]].copy())
-            lengths.append(np.diff(offsets).astype(np.int64))
+            offsets = _numpy(chunk.offsets, np.int32).astype(np.int64)
+            chunk_ids.append(np.full(len(chunk), len(chunks), np.int64))
+            chunks.append(_numpy(chunk.values, np.int32))
+            starts.append(offsets[:-1])
+            lengths.append(np.diff(offsets))
         doc_ids.extend(_numpy(c, np.int64) for c in table.column("doc_id").chunks)
-    tokens_T = np.concatenate(values) if values else np.zeros(0, np.int32)
-    lengths_N = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-    offsets_N1 = np.zeros(len(lengths_N) + 1, np.int64)
-    np.cumsum(lengths_N, out=offsets_N1[1:])
-    if int(offsets_N1[-1]) != manifest["num_tokens"]:
-        raise ValueError(f"{directory}: {offsets_N1[-1]} tokens in shards, manifest says {manifest['num_tokens']}")
-    return tokens_T, offsets_N1, np.concatenate(doc_ids) if doc_ids else np.zeros(0, np.int64), manifest
+
+    def cat(parts: list[np.ndarray], dtype) -> np.ndarray:
+        return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
+    index = DocIndex(chunks, cat(chunk_ids, np.int64), cat(starts, np.int64), cat(lengths, np.int64),
+                     cat(doc_ids, np.int64), manifest, tables)
+    if int(index.length_N.sum()) != manifest["num_tokens"]:
+        raise ValueError(f"{directory}: {index.length_N.sum()} tokens in shards, manifest says {manifest['num_tokens']}")
+    return index
+
+
+def load_token_arrays(directory: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
+    """All documents in one copy: (tokens_T int32, offsets_N+1 int64, doc_ids_N, manifest)."""
+    ix = load_doc_index(directory)
+    docs = [ix.chunks[c][s : s + n] for c, s, n in zip(ix.chunk_N, ix.start_N, ix.length_N)]
+    tokens_T = np.concatenate(docs).astype(np.int32) if docs else np.zeros(0, np.int32)
+    offsets_N1 = np.zeros(len(docs) + 1, np.int64)
+    np.cumsum(ix.length_N, out=offsets_N1[1:])
+    return tokens_T, offsets_N1, ix.doc_id_N, ix.manifest
 
 
 @dataclass
@@ -115,16 +142,18 @@ class PackedDataset:
         self.source = Path(source)
         self.seq_len, self.seed, self.split = seq_len, seed, split
         self.val_fraction, self.document_mask, self.shuffle = val_fraction, document_mask, shuffle
-        tokens_T, offsets_N1, doc_ids_N, manifest = load_token_arrays(self.source)
+        index = load_doc_index(self.source)
+        manifest, doc_ids_N = index.manifest, index.doc_id_N
         self.manifest = manifest
         self.eos_id = int(manifest["tokenizer"]["eos_id"] if eos_id is None else eos_id)
         self.vocab_size = int(manifest["tokenizer"]["vocab_size"])
 
         in_val_N = (_splitmix64(doc_ids_N) % np.uint64(1_000_000)) < np.uint64(int(round(val_fraction * 1_000_000)))
         keep_N = {"train": ~in_val_N, "val": in_val_N, "all": np.ones_like(in_val_N)}[split]
-        self._tokens_T = tokens_T
-        self._doc_start_N = offsets_N1[:-1][keep_N]
-        self._doc_len_N = np.diff(offsets_N1)[keep_N]
+        self._index = index
+        self._doc_chunk_N = index.chunk_N[keep_N]
+        self._doc_start_N = index.start_N[keep_N]
+        self._doc_len_N = index.length_N[keep_N]
         self.doc_ids = doc_ids_N[keep_N]
         self.num_docs = int(keep_N.sum())
         self.num_stream_tokens = int(self._doc_len_N.sum()) + self.num_docs  # + one EOS per document
@@ -138,14 +167,19 @@ class PackedDataset:
         self._lock = threading.Lock()  # loader threads may ask for a new epoch at the same time
 
     def __getstate__(self) -> dict:
+        # memory maps do not pickle: ship the path, reopen on the other side
         state = self.__dict__.copy()
-        state.pop("_lock")
+        for key in ("_lock", "_index"):
+            state.pop(key)
         state["_epochs"] = {}
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._index = load_doc_index(self.source)
+        if self._index.manifest["plan_sha256"] != self.manifest["plan_sha256"]:
+            raise ValueError(f"{self.source} changed since this dataset was opened")
 
     def __len__(self) -> int:
         return self._len
@@ -201,7 +235,7 @@ class PackedDataset:
             a = pos - start
             if n_text:
                 s0 = int(self._doc_start_N[d]) + lo
-                tokens[a : a + n_text] = self._tokens_T[s0 : s0 + n_text]
+                tokens[a : a + n_text] = self._index.chunks[int(self._doc_chunk_N[d])][s0 : s0 + n_text]
             if hi == doc_len + 1:
                 tokens[a + n_text] = self.eos_id
             seg_start[a : a + hi - lo] = doc_begin
