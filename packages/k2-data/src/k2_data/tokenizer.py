@@ -299,7 +299,10 @@ def _tiktoken_engine(hf_json: str):
     except where a token can also be formed from a pair that is not its own rule; on the default
     corpus they agree on every document (tested), and ingest spot-checks documents against HF.
     """
-    import tiktoken
+    try:
+        import tiktoken
+    except ImportError:  # e.g. a GPU machine without it: HF tokenizers alone give the same ids
+        return None
 
     data = json.loads(hf_json)
     model, pre = data.get("model", {}), data.get("pre_tokenizer") or {}
