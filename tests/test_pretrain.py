@@ -204,3 +204,27 @@ def test_activation_checkpointing_keeps_loss_grads_and_expert_loads(tmp_path, co
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-7, msg=n)
     assert torch.equal(load0, load1)  # the recompute did not count tokens twice
     assert torch.equal(s0, s1)
+
+
+def test_document_mask_equals_separate_documents(tmp_path, corpus):
+    """With the document mask, a packed sample's loss equals running each document on its own."""
+    import torch.nn.functional as F
+
+    from k2_stack.pretrain.data import build_datasets, prepare_tokenized
+    from k2_stack.pretrain.trainer import build_model, lm_loss
+
+    cfg = _cfg(tmp_path, corpus, document_mask=True, seq_len=256)
+    train, _ = build_datasets(cfg, prepare_tokenized(cfg))
+    s = next(train[g] for g in range(len(train)) if train[g]["doc_ids"].max() >= 1)
+    b = {k: torch.from_numpy(v).long().unsqueeze(0) for k, v in s.items()}
+    model = build_model(cfg, 8192, torch.device("cpu")).eval()
+    with torch.no_grad():
+        packed = lm_loss(model, b["input_ids"], b["labels"], b["position_ids"], b["doc_ids"])
+        total, count = 0.0, 0
+        for d in b["doc_ids"].unique():
+            sel = b["doc_ids"][0] == d
+            logits = model(b["input_ids"][:, sel]).logits[0]
+            lab = b["labels"][0, sel]
+            total += F.cross_entropy(logits, lab, ignore_index=-100, reduction="sum").item()
+            count += int((lab != -100).sum())
+    assert packed.item() == pytest.approx(total / count, rel=1e-5)

@@ -50,6 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="recompute layers in backward: every layer (full) or every other layer (selective)")
     for name, typ, help_ in _FLAGS:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, help=help_)
+    p.add_argument("--document-mask", action="store_true", default=None,
+                   help="attend only within each packed document (positions restart per document)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(func=run)
 
@@ -71,6 +73,8 @@ def build_config(args: argparse.Namespace):
     overrides = {name: getattr(args, name) for name, _, _ in _FLAGS if getattr(args, name) is not None}
     if args.out is not None:
         overrides["out"] = args.out
+    if args.document_mask:
+        overrides["document_mask"] = True
     if args.activation_checkpointing is not None:
         overrides["activation_checkpointing"] = args.activation_checkpointing
     return dataclasses.replace(cfg, **overrides)

@@ -42,6 +42,8 @@ class PretrainConfig:
     tokenizer: str | None = None
     max_corpus_mb: float = 0.0  # 0 = all of it
     val_fraction: float = 0.02
+    # Attend only within each packed document, with positions restarting at its start.
+    document_mask: bool = False
     eval_every: int = 50
     eval_batches: int = 4
     # run

@@ -61,7 +61,7 @@ def prepare_tokenized(cfg: PretrainConfig, workers: int = 0) -> Path:
 def build_datasets(cfg: PretrainConfig, tokenized: Path) -> tuple[PackedDataset, PackedDataset | None]:
     """Train and held-out splits (by document); the held-out one is None when the corpus has too
     few documents to hold any out at `val_fraction`."""
-    common = dict(seq_len=cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction)
+    common = dict(seq_len=cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction, document_mask=cfg.document_mask)
     train = PackedDataset(tokenized, split="train", **common)
     try:
         val = PackedDataset(tokenized, split="val", **common)

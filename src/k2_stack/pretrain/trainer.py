@@ -143,19 +143,22 @@ def evaluate(model: K2ForCausalLM, val, cfg: PretrainConfig, device: torch.devic
     bs = cfg.micro_batch or cfg.batch
     for start in range(0, n, bs):
         samples = [val[g] for g in range(start, min(start + bs, n))]
-        ids = torch.stack([torch.from_numpy(s["input_ids"]) for s in samples]).long().to(device)
-        labels = torch.stack([torch.from_numpy(s["labels"]) for s in samples]).long().to(device)
+        b = {k: torch.stack([torch.from_numpy(s[k]) for s in samples]).long().to(device) for k in samples[0]}
         with autocast():
-            loss = lm_loss(model, ids, labels)
+            loss = lm_loss(model, b["input_ids"], b["labels"], b.get("position_ids"), b.get("doc_ids"))
         losses.append(float(loss) * len(samples))
     model.train(was_training)
     return sum(losses) / max(n, 1)
 
 
-def lm_loss(model: K2ForCausalLM, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+def lm_loss(
+    model: K2ForCausalLM, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor,
+    position_ids_BS: torch.Tensor | None = None, doc_ids_BS: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Mean cross-entropy of the loader's labels, which are already the next tokens (aligned with
-    the inputs), so every label of the packed stream counts; -100 is ignored."""
-    logits_BSV = model(input_ids_BS).logits
+    the inputs), so every label of the packed stream counts; -100 is ignored. With a document
+    mask, positions restart per document and attention stays inside it."""
+    logits_BSV = model(input_ids_BS, position_ids=position_ids_BS, document_ids=doc_ids_BS).logits
     return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten(), ignore_index=-100)
 
 
@@ -333,11 +336,16 @@ def _run(
                 loader_s = loader.wait_s - wait0
                 ids_BS = batch["input_ids"].to(device)
                 labels_BS = batch["labels"].to(device)
+                pos_BS = batch["position_ids"].to(device) if "position_ids" in batch else None
+                doc_BS = batch["doc_ids"].to(device) if "doc_ids" in batch else None
                 loss_sum = 0.0
                 for m in range(accum):
                     sl = slice(m * micro, (m + 1) * micro)
                     with autocast():
-                        micro_loss = lm_loss(model, ids_BS[sl], labels_BS[sl])
+                        micro_loss = lm_loss(
+                            model, ids_BS[sl], labels_BS[sl],
+                            None if pos_BS is None else pos_BS[sl], None if doc_BS is None else doc_BS[sl],
+                        )
                     (micro_loss / accum).backward()
                     loss_sum += float(micro_loss.detach())
                 loss = dd.all_reduce_scalar(loss_sum / accum, "mean", info, device)
