@@ -15,7 +15,8 @@ Rows (ratio = ours / anchor, lower is better; targets from issue 3):
       vs a plain PyTorch batched NS (matmul, then elementwise a/b/c)          target <= 0.85
       (2b) the same in bf16 (informative; fast only on CPUs with AVX512-BF16/AMX)
   (3) on CUDA (when present): bf16 NS TFLOP/s, ours vs the plain torch.matmul NS.
-Timings: best of --repeats, ours and anchor interleaved (the 2-core CI machine is shared).
+Timings: best of --repeats, ours and anchor interleaved (the 2-core CI machine is shared);
+with --threads 1 the clock is the process CPU time, which other jobs on the cores do not inflate.
 """
 
 from __future__ import annotations
@@ -87,11 +88,16 @@ def case_shapes(name: str) -> list[tuple[int, int, int]]:
     raise SystemExit(f"unknown case {name!r} (expected tiny or moe)")
 
 
+# With one intra-op thread, the process CPU time is the compute time even when other jobs
+# share the cores (a descheduled process accrues none); otherwise wall-clock.
+CLOCK: Callable[[], float] = time.perf_counter
+
+
 def timeit(fn: Callable[[], object], sync: Callable[[], None] = lambda: None) -> float:
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     fn()
     sync()
-    return time.perf_counter() - t0
+    return CLOCK() - t0
 
 
 def interleaved(fns: list[Callable[[], object]], repeats: int, sync=lambda: None) -> list[float]:
@@ -147,14 +153,17 @@ def main() -> None:
     ap.add_argument("--skip-torch-bf16", action="store_true", help="skip row (1)'s torch.optim.Muon anchor")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = ap.parse_args()
+    global CLOCK
     if args.threads:
         torch.set_num_threads(args.threads)
+    if torch.get_num_threads() == 1 and not torch.cuda.is_available():
+        CLOCK = time.process_time
     cpu = platform.processor() or platform.machine()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu}, {os.cpu_count()} cpus, "
         f"native bf16: {cpu_has_native_bf16()}, ns_dtype='auto' -> {default_ns_dtype(torch.device('cpu'), 'auto')}, "
-        f"load average at start: {load:.1f}"
+        f"load average at start: {load:.1f}, clock: {CLOCK.__name__}"
     )
     rows = []
     for case in args.cases.split(","):
