@@ -51,9 +51,12 @@ def _server(timeout_s: float = 20.0) -> ParameterServer:
 
 
 def correctness(rank: int, world: int, run_dir: str) -> dict:
-    """fp32/bf16/fp16/fp8 bitwise; many buckets; a split tensor; files; repeats; re-register; subsets."""
+    """fp32/bf16/fp16/fp8 bitwise; many buckets; a split tensor; files; repeats; re-register; subsets.
+
+    The engines swap staged tensors in (assign=True): their weights are views of the server's
+    receive arenas, so every later update checks that the live arena is never overwritten."""
     spec = make_spec(world)
-    eng = EngineProcess(rank, spec, run_dir, timeout_s=30)
+    eng = EngineProcess(rank, spec, run_dir, timeout_s=30, assign=True)
     out: dict = {}
     try:
         ps = _server()
@@ -127,7 +130,7 @@ def _summary(e: UpdateError | None, dt: float) -> dict:
 def failures(rank: int, world: int, run_dir: str) -> dict:
     """Injected error, dtype/shape mismatch, direct-mode exact report, dead worker, hung worker."""
     spec = make_spec(world)
-    eng = EngineProcess(rank, spec, run_dir, timeout_s=30)
+    eng = EngineProcess(rank, spec, run_dir, timeout_s=30, assign=True)
     out: dict = {}
     victim = "model.layers.0.mlp.experts.5.down_proj.weight"  # owned by rank 0, mid-plan
     try:

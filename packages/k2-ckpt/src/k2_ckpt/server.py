@@ -410,6 +410,25 @@ class ParameterServer:
                 if link is not None:
                     link.last_acked = msg.bucket
 
+        def prepare(k: int) -> tuple[torch.Tensor, tuple[int, int] | None]:
+            """The bytes to broadcast for bucket k: the owner fills its place in `buf` (H2D on
+            CUDA), or on CPU broadcasts in place from its shared registration arena. (With a
+            receive arena, its own receiver then copies those bytes into the arena itself, so a
+            registration arena never becomes anyone's live weights.)"""
+            bucket = plan[k]
+            slot = buf.data[offsets[k]:offsets[k] + bucket.nbytes]
+            if self.rank != bucket.owner:
+                return slot, None
+            in_place = ckpt.in_place_source(bucket.items)
+            if in_place is not None:
+                arena, base = in_place
+                return ckpt.arenas[arena].data[base:base + bucket.nbytes], in_place
+            for it in bucket.items:
+                src = ckpt.bytes_by_name[it.name][it.chunk_start:it.chunk_start + it.nbytes]
+                slot[it.buf_offset:it.buf_offset + it.nbytes].copy_(src, non_blocking=True)
+            return slot, None
+
+        prepared: tuple[torch.Tensor, tuple[int, int] | None] | None = None
         for k, bucket in enumerate(plan):
             if failure is None:
                 try:
@@ -424,16 +443,12 @@ class ParameterServer:
                     failure = f.failure
             if k % max(1, self.config.agree_every) == 0 and not self._agree(failure is not None):
                 return failure, False
-            slot = buf.data[offsets[k]:offsets[k] + bucket.nbytes]
-            in_place = ckpt.in_place_source(bucket.items) if self.rank == bucket.owner else None
-            if in_place is not None:  # CPU: broadcast straight from the shared arena
-                arena, base = in_place
-                slot = ckpt.arenas[arena].data[base:base + bucket.nbytes]
-            elif self.rank == bucket.owner:
-                for it in bucket.items:
-                    src = ckpt.bytes_by_name[it.name][it.chunk_start:it.chunk_start + it.nbytes]
-                    slot[it.buf_offset:it.buf_offset + it.nbytes].copy_(src, non_blocking=True)
-            dist.broadcast(slot, src=bucket.owner, group=self.group)
+            slot, in_place = prepared if prepared is not None else prepare(k)
+            prepared = None
+            work = dist.broadcast(slot, src=bucket.owner, group=self.group, async_op=True)
+            if not reuse_slots and k + 1 < len(plan) and plan[k + 1].owner == self.rank:
+                prepared = prepare(k + 1)  # the host copy of bucket k+1 overlaps the broadcast of k
+            work.wait()
             if slot.is_cuda:  # the receiver reads it from another process/stream
                 torch.cuda.current_stream(slot.device).synchronize()
             if link is not None and failure is None:

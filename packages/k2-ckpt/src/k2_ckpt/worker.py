@@ -173,7 +173,13 @@ class _Receiver:
 
     def on_bucket(self, msg: BucketMsg) -> None:
         assert self.buf is not None, "bucket before buffer"
-        if msg.source is not None:  # the owner's bytes, read in place from its shared arena
+        if msg.source is not None and self.zero_copy:
+            # the owner broadcast from its registration arena: bring the bytes into our receive
+            # arena (off the server's critical path) so staged views never alias the trainer's copy
+            n = max((it.buf_offset + it.nbytes for it in msg.items), default=0)
+            self.buf[msg.offset:msg.offset + n].copy_(self.sources[msg.source][msg.source_offset:msg.source_offset + n])
+            buf, base = self.buf, msg.offset
+        elif msg.source is not None:  # the owner's bytes, read in place from its shared arena
             buf, base = self.sources[msg.source], msg.source_offset
         else:
             buf, base = self.buf, msg.offset
