@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from k2_optim import Muon, newton_schulz, resolve_ns_schedule
 
 pytestmark = pytest.mark.cuda
