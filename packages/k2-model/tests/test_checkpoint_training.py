@@ -305,3 +305,36 @@ def test_blockwise_eager_attention_equals_sdpa_with_masks() -> None:
     assert float((b_logits - a_logits).norm() / a_logits.norm()) < 1e-6
     assert float((b_grad - a_grad).norm() / a_grad.norm()) < 1e-5
     torch.testing.assert_close(b_max, a_max, rtol=1e-6, atol=1e-6)
+
+
+def _dist_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)  # same weights on both ranks
+        model = K2ForCausalLM(small_config()).train()
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(100 + rank))  # own data
+        model(ids)
+        local = model.expert_load().clone()
+        load = model.update_expert_bias(1e-3)
+        bias = model.model.layers[1].mlp.gate.e_score_correction_bias.clone()
+        torch.save({"local": local, "load": load, "bias": bias}, f"{out_file}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_bias_update_all_reduces_loads_over_ranks(tmp_path) -> None:
+    """Two gloo ranks with different data: both see the summed load and make the same bias step."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_dist_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in (0, 1))
+    total = r0["local"] + r1["local"]
+    assert not torch.equal(r0["local"], r1["local"])  # the ranks did see different tokens
+    torch.testing.assert_close(r0["load"], total)
+    torch.testing.assert_close(r1["load"], total)
+    expected = 1e-3 * torch.sign(total[0].mean() - total[0])
+    torch.testing.assert_close(r0["bias"], expected, rtol=0, atol=1e-9)
+    torch.testing.assert_close(r1["bias"], expected, rtol=0, atol=1e-9)
