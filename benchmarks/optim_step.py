@@ -1,6 +1,7 @@
 """Muon optimizer step and Newton-Schulz throughput: k2_optim vs its anchors, in one run.
 
     .venv/bin/python benchmarks/optim_step.py [--repeats 3] [--skip-torch-bf16] [--cases tiny,moe]
+    python -P benchmarks/optim_step.py --device cuda      # GPU rows only (scripts/gpu_check.sh)
 
 Cases (the parameter sets Muon sees):
   tiny  the Muon-routed matrices of k2_model's "tiny" K2 preset (attention projections, dense
@@ -14,7 +15,8 @@ Rows (ratio = ours / anchor, lower is better; targets from issue 3):
   (2) NS only, equal precision (fp32): k2_optim.newton_schulz (batched, fused baddbmm)
       vs a plain PyTorch batched NS (matmul, then elementwise a/b/c)          target <= 0.85
       (2b) the same in bf16 (informative; fast only on CPUs with AVX512-BF16/AMX)
-  (3) on CUDA (when present): bf16 NS TFLOP/s, ours vs the plain torch.matmul NS.
+  (3) with --device cuda: bf16 NS TFLOP/s, ours vs the plain torch.matmul NS, and the Muon
+      step vs torch.optim.Muon on the GPU; case k2moe adds 64 real-size K2 experts (2048x7168).
 Timings: best of --repeats, ours and anchor interleaved (the 2-core CI machine is shared);
 with --threads 1 the clock is the process CPU time, which other jobs on the cores do not inflate.
 """
@@ -67,6 +69,8 @@ def case_shapes(name: str) -> list[tuple[int, int, int]]:
     """[(count, out, in)]: the logical matrices of one case."""
     if name == "moe":
         return [(64, 256, 512), (4, 512, 512)]
+    if name == "k2moe":  # 64 of K2's 384 experts at real size (gate/up: 2048 x 7168)
+        return [(64, 2048, 7168)]
     if name == "tiny":
         try:
             from k2_model import K2Config, K2ForCausalLM
@@ -85,7 +89,7 @@ def case_shapes(name: str) -> list[tuple[int, int, int]]:
             return shapes
         except ImportError:  # k2-model not installed: the tiny preset's shapes, written out
             raise SystemExit("the 'tiny' case needs k2-model installed (pip install k2-model)") from None
-    raise SystemExit(f"unknown case {name!r} (expected tiny or moe)")
+    raise SystemExit(f"unknown case {name!r} (expected tiny, moe or k2moe)")
 
 
 # With one intra-op thread, the process CPU time is the compute time even when other jobs
@@ -146,17 +150,51 @@ def ns_case(shapes, repeats: int, device: str, dtype: torch.dtype) -> tuple[floa
     return t_ours, t_plain
 
 
+def cuda_rows(cases: list[str], repeats: int) -> list[tuple]:
+    rows = []
+    sync = torch.cuda.synchronize
+    for case in cases:
+        shapes = case_shapes(case)
+        t_ns, t_plain = ns_case(shapes, max(repeats, 10), "cuda", torch.bfloat16)
+        fl = ns_flops(shapes)
+        rows.append((case, f"(3) NS bf16 CUDA ({fl / t_ns / 1e12:.0f} TFLOP/s)",
+                     f"plain bf16 NS ({fl / t_plain / 1e12:.0f} TFLOP/s)", t_ns, t_plain, 1.0))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        ours = [torch.nn.Parameter(torch.randn(n, r, c, device="cuda", generator=g)) for n, r, c in shapes]
+        for p in ours:
+            p.grad = torch.randn(p.shape, device="cuda", generator=g)
+        ref = [torch.nn.Parameter(m.detach().clone()) for p in ours for m in p.unbind(0)]
+        for p in ref:
+            p.grad = torch.randn(p.shape, device="cuda", generator=g)
+        opt = Muon(ours, lr=0.02, weight_decay=0.1)
+        ropt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+        t_ours, t_ref = interleaved([opt.step, ropt.step], repeats, sync)
+        nmat = sum(n for n, _, _ in shapes)
+        rows.append((case, f"(3) Muon step CUDA, {nmat} matrices (bf16 NS)", "torch.optim.Muon CUDA", t_ours, t_ref, 1.0))
+        del ours, ref, opt, ropt
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--cases", default="tiny,moe")
+    ap.add_argument("--cases", default=None, help="comma list of tiny, moe, k2moe (default: tiny,moe; +k2moe on cuda)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: GPU rows only")
     ap.add_argument("--skip-torch-bf16", action="store_true", help="skip row (1)'s torch.optim.Muon anchor")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = ap.parse_args()
     global CLOCK
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device visible to torch")
+        cases = (args.cases or "tiny,moe,k2moe").split(",")
+        print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}")
+        print_rows(cuda_rows(cases, args.repeats))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
-    if torch.get_num_threads() == 1 and not torch.cuda.is_available():
+    if torch.get_num_threads() == 1:
         CLOCK = time.process_time
     cpu = platform.processor() or platform.machine()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -166,7 +204,7 @@ def main() -> None:
         f"load average at start: {load:.1f}, clock: {CLOCK.__name__}"
     )
     rows = []
-    for case in args.cases.split(","):
+    for case in (args.cases or "tiny,moe").split(","):
         shapes = case_shapes(case)
         nmat = sum(n for n, _, _ in shapes)
         t_ours, t_auto, t_ref = muon_step_case(shapes, args.repeats, args.skip_torch_bf16)
@@ -179,11 +217,10 @@ def main() -> None:
         rows.append((case, "(2) NS fp32, batched", "plain batched NS fp32", t_ns, t_plain, 0.85))
         t_ns, t_plain = ns_case(shapes, args.repeats, "cpu", torch.bfloat16)
         rows.append((case, "(2b) NS bf16, batched", "plain batched NS bf16", t_ns, t_plain, 0.85))
-        if torch.cuda.is_available():
-            t_ns, t_plain = ns_case(shapes, max(args.repeats, 10), "cuda", torch.bfloat16)
-            fl = ns_flops(shapes)
-            rows.append((case, f"(3) NS bf16 CUDA ({fl / t_ns / 1e12:.1f} TFLOP/s)",
-                         f"plain bf16 NS ({fl / t_plain / 1e12:.1f} TFLOP/s)", t_ns, t_plain, 1.0))
+    print_rows(rows)
+
+
+def print_rows(rows: list[tuple]) -> None:
     print("| case | measurement | ours (s) | anchor | anchor (s) | ratio | target |")
     print("|---|---|---|---|---|---|---|")
     for case, what, anchor, t_o, t_a, target in rows:
