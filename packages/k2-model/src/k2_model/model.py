@@ -307,7 +307,6 @@ class K2ForCausalLM(nn.Module):
         position_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
         document_ids: Tensor | None = None,
-        **unused: Any,
     ) -> K2CausalLMOutput:
         """Logits [B, S, N]; with labels, the mean next-token cross-entropy (ignore_index -100).
 
