@@ -133,8 +133,11 @@ class _EagerRecorder:
         monkeypatch.setattr(modeling_llama, "eager_attention_forward", wrapped)
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_hf_llama_adapter_records_true_max_logits_and_clips_exactly(monkeypatch, kv_heads):
+@pytest.mark.parametrize("kv_heads,block_elems", [(4, 1 << 24), (2, 1 << 24), (2, 300)])
+def test_hf_llama_adapter_records_true_max_logits_and_clips_exactly(monkeypatch, kv_heads, block_elems):
+    from k2_optim import adapters
+
+    monkeypatch.setattr(adapters, "LOGIT_BLOCK_ELEMS", block_elems)  # 300: query blocks of 2 rows
     model = _tiny_llama("eager", kv_heads)
     model.train()
     rec = _EagerRecorder(monkeypatch)

@@ -28,6 +28,9 @@ __all__ = ["MHAQKClipAdapter", "attach_qk_clip"]
 
 RopeFn = Callable[[Tensor, Tensor, tuple, dict], tuple[Tensor, Tensor]]
 
+# Most logits materialised at once while recomputing a layer's max (16M fp32 = 64 MiB).
+LOGIT_BLOCK_ELEMS = 1 << 24
+
 
 @dataclass
 class _AttnInfo:
@@ -142,19 +145,29 @@ class MHAQKClipAdapter:
         if info.rope is not None:
             q_BHSD, k_BKTD = info.rope(q_BHSD, k_BKTD, args, kwargs)
         k_BHTD = k_BKTD.repeat_interleave(info.num_heads // info.num_kv_heads, dim=1)
-        logits_BHST = (q_BHSD @ k_BHTD.transpose(-1, -2)) * info.scaling
         mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
-        if mask is not None and isinstance(mask, Tensor):
+        if isinstance(mask, Tensor):
             mask = mask[..., -T:]
-            allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-        elif info.causal:
-            pos_q = torch.arange(S, device=q.device)[:, None] + (T - S)
-            allowed = torch.arange(T, device=q.device)[None, :] <= pos_q
         else:
-            allowed = None
-        if allowed is not None:
-            logits_BHST = logits_BHST.masked_fill(~allowed, float("-inf"))
-        return logits_BHST.amax(dim=(0, 2, 3))
+            mask = None
+        # query blocks bound the memory to B*H*block*T logits (long sequences would need B*H*S*T)
+        block = max(1, min(S, LOGIT_BLOCK_ELEMS // max(1, B * info.num_heads * T)))
+        max_H = torch.full((info.num_heads,), float("-inf"), device=q.device)
+        for s0 in range(0, S, block):
+            s1 = min(S, s0 + block)
+            logits_BHsT = (q_BHSD[:, :, s0:s1] @ k_BHTD.transpose(-1, -2)) * info.scaling
+            if mask is not None:
+                m = mask[..., s0:s1, :] if mask.shape[-2] == S else mask
+                allowed = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+            elif info.causal:
+                pos_q = torch.arange(s0, s1, device=q.device)[:, None] + (T - S)
+                allowed = torch.arange(T, device=q.device)[None, :] <= pos_q
+            else:
+                allowed = None
+            if allowed is not None:
+                logits_BHsT = logits_BHsT.masked_fill(~allowed, float("-inf"))
+            max_H = torch.maximum(max_H, logits_BHsT.amax(dim=(0, 2, 3)))
+        return max_H
 
     # -- the QK-Clip protocol --------------------------------------------------------------
     def attention_max_logits(self) -> Tensor:
