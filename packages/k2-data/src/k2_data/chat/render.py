@@ -1,0 +1,226 @@
+"""Render OpenAI-style chat messages in the Kimi K2 format, as text or as token ids.
+
+The layout follows the released Kimi-K2-Instruct chat template:
+
+    [<|im_system|>tool_declare<|im_middle|>{tools JSON}<|im_end|>]        only when tools are given
+    [<|im_system|>system<|im_middle|>{default system prompt}<|im_end|>]   when messages[0] is not system
+    <|im_{role}|>{name or role}<|im_middle|>{content}<|im_end|>           one per message
+    [<|im_assistant|>assistant<|im_middle|>]                              add_generation_prompt
+
+An assistant turn with tool calls carries its content, then one section:
+`<|tool_calls_section_begin|>` + per call `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>
+{arguments}<|tool_call_end|>` + `<|tool_calls_section_end|>`. A tool result is a system-marker turn named
+after the function: `<|im_system|>{name}<|im_middle|>## Return of {tool_call_id}\\n{content}<|im_end|>`.
+
+Rendering works on segments `(text, is_marker)` so that `render_ids` can map markers to their special ids and
+encode everything else as plain text: a message that contains the string `<|im_end|>` cannot end its turn.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from k2_data.chat.markers import (
+    ARGUMENT_BEGIN,
+    CALL_BEGIN,
+    CALL_END,
+    DEFAULT_SYSTEM_PROMPT,
+    IM_ASSISTANT,
+    IM_END,
+    IM_MIDDLE,
+    IM_SYSTEM,
+    ROLE_MARKERS,
+    SECTION_BEGIN,
+    SECTION_END,
+    TOOL_DECLARE,
+)
+
+Segment = tuple[str, bool]  # (text, is_marker): a marker is exactly one special token
+
+# the id shape K2 was trained on; the index counts calls across the whole conversation
+K2_CALL_ID = re.compile(r"functions\.(?P<name>.+):(?P<index>\d+)", re.DOTALL)
+
+
+def tools_json(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The tool_declare payload: the OpenAI `tools` list, keys sorted, compact separators."""
+    return json.dumps(list(tools), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _content_text(content: Any, where: str) -> str:
+    """A message's content as text: a string, or a list of OpenAI content parts (text parts joined)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
+        out = []
+        for j, part in enumerate(content):
+            if isinstance(part, str):
+                out.append(part)
+                continue
+            if not isinstance(part, Mapping):
+                raise ValueError(f"{where}: field 'content[{j}]' must be an object or a string, got {type(part).__name__}")
+            kind = part.get("type", "text")
+            if kind != "text":
+                raise ValueError(f"{where}: field 'content[{j}].type' is {kind!r}; only 'text' parts can be rendered")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ValueError(f"{where}: field 'content[{j}].text' must be a string")
+            out.append(text)
+        return "".join(out)
+    raise ValueError(f"{where}: field 'content' must be a string or a list of content parts, got {type(content).__name__}")
+
+
+def _arguments_text(arguments: Any, where: str) -> str:
+    # a string is what the model produced (or will produce): keep it verbatim; an object is serialised
+    # the way the released template's `tojson` does (default separators, key order kept)
+    if isinstance(arguments, str):
+        return arguments
+    if isinstance(arguments, (Mapping, list)):
+        return json.dumps(arguments, ensure_ascii=False)
+    raise ValueError(f"{where}: field 'function.arguments' must be a JSON string or an object")
+
+
+def _turn(marker: str, name: str, body: list[Segment]) -> list[Segment]:
+    return [(marker, True), (name, False), (IM_MIDDLE, True), *body, (IM_END, True)]
+
+
+def render_segments(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+) -> list[Segment]:
+    """The rendered conversation as `(text, is_marker)` segments; see the module docstring."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValueError(f"messages must be a list of message objects, got {type(messages).__name__}")
+    if len(messages) == 0:
+        raise ValueError("messages must not be empty")
+    segs: list[Segment] = []
+    if tools:
+        if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+            raise ValueError(f"tools must be a list of tool objects, got {type(tools).__name__}")
+        for k, tool in enumerate(tools):
+            if not isinstance(tool, Mapping):
+                raise ValueError(f"tools[{k}] must be an object, got {type(tool).__name__}")
+        segs += _turn(IM_SYSTEM, TOOL_DECLARE, [(tools_json(tools), False)])
+
+    call_count = 0  # calls rendered so far: the IDX of ids we have to make up
+    id_map: dict[str, str] = {}  # a client's call id -> the K2-shaped id it was rendered as
+    name_of: dict[str, str] = {}  # call id (either form) -> function name, for tool-result turns
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, Mapping):
+            raise ValueError(f"{where} must be an object, got {type(msg).__name__}")
+        role = msg.get("role")
+        if role not in ROLE_MARKERS:
+            raise ValueError(f"{where}: field 'role' must be one of {sorted(ROLE_MARKERS)}, got {role!r}")
+        if i == 0 and role != "system":
+            segs += _turn(IM_SYSTEM, "system", [(DEFAULT_SYSTEM_PROMPT, False)])
+        name = msg.get("name")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"{where}: field 'name' must be a non-empty string when given")
+        tool_calls = msg.get("tool_calls") if role == "assistant" else None
+        if role != "assistant" and msg.get("tool_calls"):
+            raise ValueError(f"{where}: field 'tool_calls' is only allowed on assistant messages (role is {role!r})")
+        content = msg.get("content")
+        if content is None and not tool_calls:
+            raise ValueError(f"{where}: field 'content' is missing (only an assistant message with tool_calls may omit it)")
+        text = "" if content is None else _content_text(content, where)
+
+        if role == "tool":
+            call_id = msg.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise ValueError(f"{where}: a tool message needs field 'tool_call_id' (the id of the call it answers)")
+            # the released template names the turn `name or role`; we fall back to the called function's
+            # name before 'tool', since OpenAI clients rarely send `name` on tool messages
+            turn_name = name or name_of.get(call_id, "tool")
+            body = f"## Return of {id_map.get(call_id, call_id)}\n{text}"
+            segs += _turn(IM_SYSTEM, turn_name, [(body, False)])
+            continue
+
+        body_segs: list[Segment] = [(text, False)] if text else []
+        if tool_calls:
+            if isinstance(tool_calls, (str, bytes, Mapping)) or not isinstance(tool_calls, Sequence):
+                raise ValueError(f"{where}: field 'tool_calls' must be a list")
+            body_segs.append((SECTION_BEGIN, True))
+            for j, call in enumerate(tool_calls):
+                cwhere = f"{where}.tool_calls[{j}]"
+                if not isinstance(call, Mapping):
+                    raise ValueError(f"{cwhere} must be an object")
+                if call.get("type", "function") != "function":
+                    raise ValueError(f"{cwhere}: field 'type' must be 'function', got {call.get('type')!r}")
+                fn = call.get("function")
+                if not isinstance(fn, Mapping):
+                    raise ValueError(f"{cwhere}: field 'function' must be an object with 'name' and 'arguments'")
+                fname = fn.get("name")
+                if not isinstance(fname, str) or not fname:
+                    raise ValueError(f"{cwhere}: field 'function.name' must be a non-empty string")
+                if "arguments" not in fn:
+                    raise ValueError(f"{cwhere}: field 'function.arguments' is missing")
+                args = _arguments_text(fn["arguments"], cwhere)
+                orig = call.get("id")
+                m = K2_CALL_ID.fullmatch(orig) if isinstance(orig, str) else None
+                if m is not None and m.group("name") == fname:
+                    call_id = orig
+                else:
+                    call_id = f"functions.{fname}:{call_count}"
+                    if isinstance(orig, str) and orig:
+                        id_map[orig] = call_id
+                        name_of[orig] = fname
+                name_of[call_id] = fname
+                call_count += 1
+                body_segs += [(CALL_BEGIN, True), (call_id, False), (ARGUMENT_BEGIN, True), (args, False), (CALL_END, True)]
+            body_segs.append((SECTION_END, True))
+        segs += _turn(ROLE_MARKERS[role], name or role, body_segs)
+
+    if add_generation_prompt:
+        segs += [(IM_ASSISTANT, True), ("assistant", False), (IM_MIDDLE, True)]
+    return segs
+
+
+def render(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+) -> str:
+    """The conversation as one string in the Kimi K2 format. Raises ValueError naming the bad field."""
+    return "".join(text for text, _ in render_segments(messages, tools, add_generation_prompt))
+
+
+def segments_to_ids(tokenizer: Any, segments: Sequence[Segment]) -> list[int]:
+    """Markers become their special ids; runs of plain text are encoded as text (never as specials)."""
+    ids: list[int] = []
+    run: list[str] = []
+
+    def flush() -> None:
+        if run:
+            ids.extend(tokenizer.encode("".join(run), allow_special=False))
+            run.clear()
+
+    for text, is_marker in segments:
+        if is_marker:
+            flush()
+            ids.append(tokenizer.token_to_id(text))
+        elif text:
+            run.append(text)  # adjacent text pieces are one run, as in the rendered string
+    flush()
+    return ids
+
+
+def render_ids(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+) -> list[int]:
+    """Token ids of `render(...)`: markers as special ids, everything else encoded as plain text.
+
+    `tokenizer` is a `k2_data.Tokenizer` (or anything with `encode(text, allow_special=...)` and
+    `token_to_id(name)`). Equals `tokenizer.encode(render(...), allow_special=True)` unless some content
+    holds a marker string, which here stays text.
+    """
+    return segments_to_ids(tokenizer, render_segments(messages, tools, add_generation_prompt))
+
+
+encode_chat = render_ids
