@@ -116,3 +116,11 @@ def test_round_trip_client_ids_and_object_arguments():
 def test_non_string_input_is_a_type_error():
     with pytest.raises(TypeError, match="str"):
         parse_tool_calls(None)  # type: ignore[arg-type]
+
+
+def test_top_level_exports():
+    import k2_data
+    from k2_data import chat
+
+    assert k2_data.render_chat is chat.render and k2_data.parse_tool_calls is chat.parse_tool_calls
+    assert k2_data.render_ids is chat.render_ids and k2_data.ToolCallStreamParser is chat.ToolCallStreamParser

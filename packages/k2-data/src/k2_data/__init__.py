@@ -5,6 +5,7 @@
 
 __version__ = "0.1.0"
 
+from k2_data.chat import ToolCallStreamParser, parse_tool_calls, render_chat, render_ids  # noqa: E402
 from k2_data.corpus import default_corpus_files  # noqa: E402
 from k2_data.ingest import BadRecordError, TokenizeConfig, ensure_tokenized, load_manifest, tokenize_corpus  # noqa: E402
 from k2_data.packing import IGNORE_INDEX, PackedDataset  # noqa: E402
@@ -38,3 +39,4 @@ __all__ = [
     "special_token_table",
     "tokenize_corpus",
 ]
+__all__ += ["ToolCallStreamParser", "parse_tool_calls", "render_chat", "render_ids"]  # the chat format

@@ -10,7 +10,7 @@
 
 from k2_data.chat.markers import DEFAULT_SYSTEM_PROMPT, GENERATION_PROMPT
 from k2_data.chat.parse import parse_tool_calls
-from k2_data.chat.render import encode_chat, render, render_ids, render_segments, tools_json
+from k2_data.chat.render import encode_chat, render, render_chat, render_ids, render_segments, tools_json
 from k2_data.chat.stream import StreamEnd, ToolCallStreamParser, accumulate_deltas
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "encode_chat",
     "parse_tool_calls",
     "render",
+    "render_chat",
     "render_ids",
     "render_segments",
     "tools_json",

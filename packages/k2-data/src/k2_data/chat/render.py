@@ -224,3 +224,4 @@ def render_ids(
 
 
 encode_chat = render_ids
+render_chat = render  # the name `k2_data` exports (plain `render` is too generic there)
