@@ -43,6 +43,7 @@ class HostCheckpoint:
     def __init__(self, name: str, rank: int, shared_arena: bool = False):
         self.name = name
         self.rank = rank
+        self.uid = int.from_bytes(os.urandom(7), "little") + 1  # identifies this registration (> 0)
         self.shared_arena = shared_arena
         self.arenas: list[SlotBuffer] = []  # shared arenas (CPU), in registration order
         self.location: dict[str, tuple[int, int]] = {}  # name -> (arena index, byte offset)

@@ -7,11 +7,12 @@ Protocol of one `update` (every rank runs it; see the README for the sequence di
    calls `req_func({device_id: address})` in a thread, which makes the inference side call
    `update_weights_from_ipc`;
 3. each server sends its receiver the two-slot buffer handle and waits for "ready";
-4. per bucket k: wait until the receiver acked bucket k-2 (its slot is free again), every
-   `agree_every` buckets agree that no rank failed (a one-int all-reduce), the owner copies
-   host -> slot k%2 (on CPU it broadcasts from its shared arena in place instead),
-   `broadcast` from the owner, then tell the receiver "bucket k is in slot k%2" and move on
-   without waiting: the receiver loads bucket k while bucket k+1 is broadcast;
+4. per bucket k: (slots) wait until the receiver acked bucket k-2 so slot k%2 is free; every
+   `agree_every` buckets agree that no rank failed (a one-int all-reduce); the owner copies
+   host -> its place in the buffer (on CPU it broadcasts from its shared arena in place);
+   `broadcast` from the owner; tell the receiver "bucket k is at offset o" and move on
+   without waiting: the receiver loads bucket k while bucket k+1 is broadcast. On CPU the
+   buffer is a model-sized receive arena (two, alternating), so no slot is ever reused;
 5. wait for the last acks, agree, send "commit", wait for "done", agree.
 
 Any failure (a receiver's error reply with its traceback, a receiver that disconnects, a
@@ -212,6 +213,8 @@ class ParameterServer:
         self.world_size = dist.get_world_size()
         self.device = torch.device(device) if device is not None else default_device(self.rank)
         self.config = config or ServerConfig()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # object collectives on NCCL use the current device
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.group = group if group is not None else dist.new_group(backend=backend)
         self.device_id = device_id(self.device, self.rank)
@@ -221,6 +224,7 @@ class ParameterServer:
         self._buffer: SlotBuffer | None = None
         self._recv_arenas: list[SlotBuffer | None] = [None, None]
         self._live_arena: int | None = None
+        self._plan_cache: dict[str, tuple] = {}  # name -> ((uids, bucket bound), metas, bucket_bytes, plan)
 
     # ---- registration (local: no collectives) ----
 
@@ -246,6 +250,7 @@ class ParameterServer:
         if ckpt is None:
             raise CheckpointNotFound(f"checkpoint {name!r} is not registered on rank {self.rank}")
         ckpt.close()
+        self._plan_cache.pop(name, None)
 
     def checkpoints(self) -> list[str]:
         return sorted(self._ckpts)
@@ -279,17 +284,34 @@ class ParameterServer:
             seen[m.name] = m.owner
         return metas
 
-    def _bucket_bytes(self, metas: list[TensorMeta]) -> int:
+    def _plan(self, name: str) -> tuple[list[TensorMeta], int, list[Bucket]]:
+        """Metas, bucket size and plan for `name`, in one small all-gather when nothing changed.
+
+        Every rank contributes (its registration's uid, its bucket-size bound); metas are
+        re-gathered and the plan rebuilt only when some rank re-registered. All ranks see the
+        same gathered values, so they take the same branch."""
         cfg = self.config
+        ckpt = self._ckpts.get(name)
         local = min(cfg.max_bucket_bytes, int(free_memory_bytes(self.device) * cfg.memory_fraction) // cfg.num_slots)
-        t = torch.tensor([local], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        # never allocate more than the largest owner's aligned total
-        per_owner: dict[int, int] = {}
+        mine = torch.tensor([ckpt.uid if ckpt is not None else 0, local], dtype=torch.int64, device=self.device)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(parts, mine, group=self.group)
+        uids = tuple(int(p[0]) for p in parts)
+        missing = [r for r, u in enumerate(uids) if u == 0]
+        if missing:
+            raise CheckpointNotFound(f"checkpoint {name!r} is not registered on rank(s) {missing}")
+        bound = min(int(p[1]) for p in parts)
+        cached = self._plan_cache.get(name)
+        if cached is not None and cached[0] == (uids, bound):
+            return cached[1], cached[2], cached[3]
+        metas = self.gather_metas(name)
+        per_owner: dict[int, int] = {}  # never allocate more than the largest owner's aligned total
         for m in metas:
             per_owner[m.owner] = per_owner.get(m.owner, 0) + (m.nbytes + ALIGN - 1) // ALIGN * ALIGN
-        need = max(per_owner.values(), default=ALIGN)
-        return max(ALIGN, min(int(t.item()), need) // ALIGN * ALIGN)
+        bucket_bytes = max(ALIGN, min(bound, max(per_owner.values(), default=ALIGN)) // ALIGN * ALIGN)
+        plan = plan_buckets(metas, bucket_bytes)
+        self._plan_cache[name] = ((uids, bound), metas, bucket_bytes, plan)
+        return metas, bucket_bytes, plan
 
     # ---- update ----
 
@@ -311,9 +333,7 @@ class ParameterServer:
             raise ValueError(f"ranks={sorted(receivers)}: {bad} outside 0..{self.world_size - 1}")
         t0 = time.perf_counter()
         self._marks = [("start", t0)]
-        metas = self.gather_metas(name)
-        bucket_bytes = self._bucket_bytes(metas)
-        plan = plan_buckets(metas, bucket_bytes)
+        metas, bucket_bytes, plan = self._plan(name)
         self._mark("plan")
         ckpt = self._ckpts[name]
         receiving = self.rank in receivers
