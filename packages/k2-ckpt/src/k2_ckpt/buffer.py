@@ -108,13 +108,14 @@ _SOURCES: dict[tuple[str, int], torch.Tensor] = {}  # receiver side: mapped aren
 
 
 def open_sources(handles: list[dict]) -> list[torch.Tensor]:
-    """Map the owner's shared arenas read-only-by-convention; mappings of arenas that are no
-    longer offered are dropped, so an unregistered checkpoint's memory is released."""
+    """Map the owner's registration arenas copy-on-write (MAP_PRIVATE): staged views cost no
+    copy, and an engine writing into its weights in place gets private pages instead of
+    corrupting the registered checkpoint. Arenas no longer offered are unmapped."""
     keys = [(h["path"], int(h["nbytes"])) for h in handles]
     for k in list(_SOURCES):
         if k not in keys:
             del _SOURCES[k]
     for k in keys:
         if k not in _SOURCES:
-            _SOURCES[k] = torch.from_file(k[0], shared=True, size=k[1], dtype=torch.uint8)
+            _SOURCES[k] = torch.from_file(k[0], shared=False, size=k[1], dtype=torch.uint8)
     return [_SOURCES[k] for k in keys]

@@ -432,9 +432,8 @@ class ParameterServer:
 
         def prepare(k: int) -> tuple[torch.Tensor, tuple[int, int] | None]:
             """The bytes to broadcast for bucket k: the owner fills its place in `buf` (H2D on
-            CUDA), or on CPU broadcasts in place from its shared registration arena. (With a
-            receive arena, its own receiver then copies those bytes into the arena itself, so a
-            registration arena never becomes anyone's live weights.)"""
+            CUDA), or on CPU broadcasts in place from its shared registration arena, which its
+            own receiver maps copy-on-write (so it can never write into the trainer's copy)."""
             bucket = plan[k]
             slot = buf.data[offsets[k]:offsets[k] + bucket.nbytes]
             if self.rank != bucket.owner:

@@ -173,13 +173,7 @@ class _Receiver:
 
     def on_bucket(self, msg: BucketMsg) -> None:
         assert self.buf is not None, "bucket before buffer"
-        if msg.source is not None and self.zero_copy:
-            # the owner broadcast from its registration arena: bring the bytes into our receive
-            # arena (off the server's critical path) so staged views never alias the trainer's copy
-            n = max((it.buf_offset + it.nbytes for it in msg.items), default=0)
-            self.buf[msg.offset:msg.offset + n].copy_(self.sources[msg.source][msg.source_offset:msg.source_offset + n])
-            buf, base = self.buf, msg.offset
-        elif msg.source is not None:  # the owner's bytes, read in place from its shared arena
+        if msg.source is not None:  # the owner's bytes, read in place from its shared arena
             buf, base = self.sources[msg.source], msg.source_offset
         else:
             buf, base = self.buf, msg.offset
@@ -198,8 +192,12 @@ class _Receiver:
                         self.partial[it.name] = [whole, 0]
                     part = self.partial[it.name]
                     if src.data_ptr() != part[0].data_ptr() + it.chunk_start:
-                        raise RuntimeError(f"tensor {it.name!r}: chunk at byte {it.chunk_start} is not contiguous "
-                                           "with its first chunk in the receive arena")
+                        # chunks from different buffers (the owner's arena, then the receive
+                        # arena): fall back to assembling a private copy
+                        own = self._stage_buffer(it.name, it.tensor_nbytes, src.device)
+                        own[:part[1]].copy_(part[0][:part[1]])
+                        own[it.chunk_start:it.chunk_start + it.nbytes].copy_(src)
+                        part[0] = own
                     part[1] += it.nbytes
                     if part[1] == it.tensor_nbytes:
                         ready.append((it.name, from_bytes(self.partial.pop(it.name)[0], dtype, it.shape)))
