@@ -36,14 +36,14 @@ TEXTS = {
 }
 
 
-def stream(text: str, cuts: list[int]) -> tuple[list[dict], bool]:
-    parser = ToolCallStreamParser()
+def stream(text: str, cuts: list[int], eager: bool = False) -> tuple[list[dict], bool, tuple[int, ...]]:
+    parser = ToolCallStreamParser(eager=eager)
     deltas: list[dict] = []
     bounds = [0, *cuts, len(text)]
     for s, t in zip(bounds, bounds[1:]):
         deltas += parser.feed(text[s:t])
     end = parser.finish()
-    return deltas + end.deltas, end.tools_called
+    return deltas + end.deltas, end.tools_called, end.malformed_calls
 
 
 def check_openai_shape(deltas: list[dict]) -> None:
@@ -63,17 +63,26 @@ def check_openai_shape(deltas: list[dict]) -> None:
             assert tc["function"]["arguments"]
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["held", "eager"])
 @pytest.mark.parametrize("name", sorted(TEXTS))
-def test_random_splits_equal_whole_parse(name):
+def test_random_splits_equal_whole_parse(name, eager):
     text = TEXTS[name]
     expected = parse_tool_calls(text)
     rng = random.Random(name)
     splits = [[], list(range(1, len(text)))]  # whole text; one character at a time
     splits += [sorted(rng.sample(range(1, len(text)), rng.randint(1, min(12, len(text) - 1)))) for _ in range(200)]
     for cuts in splits:
-        deltas, called = stream(text, cuts)
+        deltas, called, malformed = stream(text, cuts, eager)
         check_openai_shape(deltas)
-        assert accumulate_deltas(deltas) == expected, cuts
+        content, calls = accumulate_deltas(deltas)
+        if not eager:
+            assert malformed == () and (content, calls) == expected, cuts
+        else:
+            # eager mode may have announced calls of a section that later proved malformed: they are
+            # reported, and dropping them leaves exactly the whole-text parse
+            kept = [c for i, c in enumerate(calls) if i not in malformed]
+            assert (content, kept) == expected, cuts
+            assert len(calls) == len(kept) + len(malformed)
         assert called == bool(expected[1])
 
 
@@ -91,7 +100,7 @@ def test_content_streams_live_and_holds_only_a_marker_prefix():
         {"content": "done"},
     ]
     assert p.tools_called
-    assert p.finish() == ([], True)
+    assert p.finish() == ([], True, ())
     with pytest.raises(RuntimeError, match="after finish"):
         p.feed("x")
 
@@ -110,7 +119,7 @@ def test_malformed_stream_degrades_to_content(caplog):
     bad = SB + call("f", 0, "{'single': 'quotes'}") + SE
     with caplog.at_level(logging.WARNING, logger="k2_data.chat"):
         out = p.feed(bad[:30]) + p.feed(bad[30:])
-    assert out == [{"content": bad}] and p.finish() == ([], False)
+    assert out == [{"content": bad}] and p.finish() == ([], False, ())
     assert any("not valid JSON" in r.getMessage() for r in caplog.records)
 
 
@@ -119,8 +128,70 @@ def test_stream_of_many_calls_indices_and_arguments():
     text = "plan" + SB + "".join(call(f"t{i}", i, a) for i, a in enumerate(args)) + SE
     rng = random.Random(0)
     cuts = sorted(rng.sample(range(1, len(text)), 40))
-    deltas, called = stream(text, cuts)
+    deltas, called, _ = stream(text, cuts)
     content, calls = accumulate_deltas(deltas)
     assert called and content == "plan"
     assert [c["id"] for c in calls] == [f"functions.t{i}:{i}" for i in range(20)]
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"i": i, "s": "x" * i} for i in range(20)]
+
+
+def test_eager_mode_announces_calls_and_streams_arguments_live():
+    p = ToolCallStreamParser(eager=True)
+    assert p.feed("ok" + SB + "\n" + CB + "functions.search:0") == [{"content": "ok"}]
+    assert p.feed(AB + ' {"q": "mo') == [  # the call is announced at its argument marker
+        {"tool_calls": [{"index": 0, "id": "functions.search:0", "type": "function",
+                         "function": {"name": "search", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"q": "mo'}}]},  # leading space dropped
+    ]
+    assert p.feed('e"}  <|tool_') == [{"tool_calls": [{"index": 0, "function": {"arguments": 'e"}'}}]}]
+    assert p.feed("call_end|>" + CB + "functions.b:1" + AB + "{}" + CE) == [
+        {"tool_calls": [{"index": 1, "id": "functions.b:1", "type": "function",
+                         "function": {"name": "b", "arguments": ""}}]},
+        {"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]},
+    ]
+    assert not p.tools_called  # not until the section is known to be well-formed
+    assert p.feed(SE) == [] and p.tools_called
+    assert p.finish() == ([], True, ())
+
+
+def test_eager_mode_reports_calls_of_a_malformed_section(caplog):
+    text = "a" + SB + call("f", 0, '{"x": 1}') + call("g", 1, '{"y": ') + SE + "b"
+    p = ToolCallStreamParser(eager=True)
+    with caplog.at_level(logging.WARNING, logger="k2_data.chat"):
+        deltas = p.feed(text[:60]) + p.feed(text[60:])
+        end = p.finish()
+    assert end.malformed_calls == (0, 1) and end.tools_called is False
+    content, calls = accumulate_deltas(deltas + end.deltas)
+    assert content == text and [c["id"] for c in calls] == ["functions.f:0", "functions.g:1"]
+    assert any("not valid JSON" in r.getMessage() for r in caplog.records)
+
+
+def test_fuzzed_texts_agree_in_both_modes():
+    # random damage to well-formed output (cut a span, repeat a span, truncate, paste a marker) exercises
+    # every malformed path; for each text and split, both modes must agree with the whole-text parse
+    base = ("Sure." + SB + "\n" + call("a", 0, '{"k": [1, {"s": "x y"}]}') + " \n" + call("b", 1, '{}') + SE
+            + " then " + SB + call("c", 2, '{"z": "<|tool_call_end"}') + SE + "end")
+    markers = [SB, SE, CB, AB, CE]
+    rng = random.Random(1234)
+    for trial in range(150):
+        text = base
+        for _ in range(rng.randint(1, 3)):
+            i, j = sorted(rng.sample(range(len(text) + 1), 2))
+            op = rng.randrange(4)
+            if op == 0:
+                text = text[:i] + text[j:]
+            elif op == 1:
+                text = text[:j] + text[i:j] + text[j:]
+            elif op == 2:
+                text = text[:j]
+            else:
+                text = text[:i] + rng.choice(markers) + text[i:]
+        expected = parse_tool_calls(text)
+        for _ in range(10):
+            cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 15)))) if len(text) > 1 else []
+            deltas, called, malformed = stream(text, cuts, eager=False)
+            assert accumulate_deltas(deltas) == expected and called == bool(expected[1]), (trial, text, cuts)
+            deltas, called, malformed = stream(text, cuts, eager=True)
+            content, calls = accumulate_deltas(deltas)
+            assert (content, [c for i, c in enumerate(calls) if i not in malformed]) == expected, (trial, text, cuts)
+            assert called == bool(expected[1])

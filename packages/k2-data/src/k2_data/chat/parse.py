@@ -35,12 +35,22 @@ class MalformedSection(ValueError):
     """Why a tool-call section could not be parsed (caught internally; never escapes the public API)."""
 
 
-def _parse_header(header: str) -> tuple[str, str]:
+def parse_header(header: str) -> tuple[str, str]:
     call_id = header.strip()
     m = _HEADER.fullmatch(call_id)
     if m is None:
         raise MalformedSection(f"call header {call_id!r} is not 'functions.NAME:IDX'")
     return call_id, m.group("name")
+
+
+def check_arguments(call_id: str, arguments: str) -> None:
+    """Raise MalformedSection unless `arguments` is one JSON object."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError as e:
+        raise MalformedSection(f"arguments of {call_id} are not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise MalformedSection(f"arguments of {call_id} are a JSON {type(value).__name__}, not an object")
 
 
 def parse_section_spans(body: str) -> list[tuple[str, str, int, int]]:
@@ -70,17 +80,12 @@ def parse_section_spans(body: str) -> list[tuple[str, str, int, int]]:
             raise MalformedSection("a call without <|tool_call_argument_begin|>")
         if ARGUMENT_BEGIN in call[arg + len(ARGUMENT_BEGIN):]:
             raise MalformedSection("two <|tool_call_argument_begin|> in one call")
-        call_id, name = _parse_header(call[:arg])
+        call_id, name = parse_header(call[:arg])
         a0 = start + arg + len(ARGUMENT_BEGIN)
         raw = body[a0:end]
         a0 += len(raw) - len(raw.lstrip())
         a1 = a0 + len(raw.strip())
-        try:
-            value = json.loads(body[a0:a1])
-        except json.JSONDecodeError as e:
-            raise MalformedSection(f"arguments of {call_id} are not valid JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise MalformedSection(f"arguments of {call_id} are a JSON {type(value).__name__}, not an object")
+        check_arguments(call_id, body[a0:a1])
         calls.append((call_id, name, a0, a1))
         pos = end + len(CALL_END)
     if not calls:
