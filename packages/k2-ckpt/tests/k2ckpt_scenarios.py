@@ -99,6 +99,15 @@ def correctness(rank: int, world: int, run_dir: str) -> dict:
         got = eng.digests()
         want = d2 if rank == 0 else d1
         out["subset_bad"] = sorted(n for n in spec if got[n] != want[n])
+
+        # the two-slot path (what CUDA uses), on CPU: receivers copy out of reused slots
+        ps.config.cpu_receive_arena = False
+        slots = {}
+        for name, ref in (("v1", d1), ("v2", d2)):
+            st = ps.update(name, req)
+            got = eng.digests()
+            slots[name] = sorted(n for n in spec if got[n] != ref[n])
+        out["slots_bad"], out["slots_bucket_bytes"] = slots, st.bucket_bytes
         ps.close()
         return out
     finally:

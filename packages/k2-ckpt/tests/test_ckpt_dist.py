@@ -21,6 +21,7 @@ def test_updates_are_bitwise_exact_across_3_ranks(tmp_path):
         assert r["v2_bad"] == [] and r["v2_differs_from_v1"] == len(S.make_spec(3)), rank
         assert r["v1_again_bad"] == [], f"rank {rank}: unregister + re-register"
         assert r["subset_bad"] == [], f"rank {rank}: ranks=[0] updated the wrong receivers"
+        assert r["slots_bad"] == {"v1": [], "v2": []}, f"rank {rank}: two-slot path"
         assert r["dtypes"] == sorted(f"torch.{d}" for d in S.DTYPES)
         # many buckets, and the 400 KiB tensor spans several 64 KiB ones
         assert r["bucket_bytes"] == 64 << 10
