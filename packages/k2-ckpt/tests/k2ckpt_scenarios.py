@@ -254,3 +254,52 @@ def _receiver_main(rank: int, spec: dict, run_dir: str) -> None:
 
     srv = BackgroundServer(app, uds=os.path.join(run_dir, f"recv-{rank}.sock")).start()
     srv.thread.join()
+
+
+def engine_integrations(rank: int, world: int) -> dict:
+    """The vLLM worker extension and the SGLang path, driven in-process against fakes that
+    expose only the public attributes they use (vLLM itself is stubbed in sys.modules)."""
+    import sys
+    import types
+
+    from k2_ckpt.adapters.sglang import sglang_update_weights_from_ipc
+    from k2_ckpt.adapters.vllm import VllmWorkerExtension
+    from torch import nn
+
+    calls = []
+    mods = ["vllm", "vllm.model_executor", "vllm.model_executor.model_loader", "vllm.model_executor.model_loader.utils"]
+    for m in mods:
+        sys.modules[m] = types.ModuleType(m)
+    sys.modules[mods[-1]].process_weights_after_loading = lambda model, cfg, dev: calls.append((cfg, str(dev)))
+
+    class FakeModel(nn.Module):  # an engine model: load_weights takes (name, tensor) pairs
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(64, 32, dtype=torch.bfloat16), requires_grad=False)
+            self.b = nn.Parameter(torch.zeros(64), requires_grad=False)
+            self.seen: list[str] = []
+
+        def load_weights(self, weights):
+            for name, t in weights:
+                self.seen.append(name)
+                getattr(self, name.split(".")[-1]).data.copy_(t)
+
+    new = {"model.w": make_tensor("model.w", "bfloat16", [64, 32], 3), "model.b": make_tensor("model.b", "float32", [64], 3)}
+    ps = _server()
+    ps.register_checkpoint("c", named_tensors=new)
+    out = {}
+
+    vworker = VllmWorkerExtension()
+    vworker.device, vworker.model_config = torch.device("cpu"), "model-config"
+    vworker.model_runner = types.SimpleNamespace(model=FakeModel())
+    ps.update("c", lambda h: vworker.update_weights_from_ipc(h))
+    m = vworker.model_runner.model
+    out["vllm_equal"] = torch.equal(m.w, new["model.w"]) and torch.equal(m.b, new["model.b"])
+    out["vllm_post_hook"] = calls
+
+    runner = types.SimpleNamespace(model=FakeModel(), device="cpu")
+    ps.update("c", lambda h: sglang_update_weights_from_ipc(runner, h))
+    out["sglang_equal"] = torch.equal(runner.model.w, new["model.w"]) and torch.equal(runner.model.b, new["model.b"])
+    out["sglang_seen"] = sorted(runner.model.seen)
+    ps.close()
+    return out

@@ -55,3 +55,9 @@ def test_failures_are_reported_and_never_mix_weights(tmp_path):
         d = r["die"]
         assert d["raised"] and d["rank"] == 1 and d["kind"] == "worker_died" and d["seconds"] < 5.0
     assert results[0]["die_old_kept"] == []
+
+
+def test_vllm_extension_and_sglang_path_load_through_engine_load_weights():
+    (r,) = run_world(1, S.engine_integrations, (), timeout_s=90)
+    assert r["vllm_equal"] and r["vllm_post_hook"] == [("model-config", "cpu")]
+    assert r["sglang_equal"] and r["sglang_seen"] == ["model.b", "model.w"]

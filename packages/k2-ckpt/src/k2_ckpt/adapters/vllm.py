@@ -35,7 +35,8 @@ class VllmWorkerExtension:
             from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
             process_weights_after_loading(model, self.model_config, dev)  # type: ignore[attr-defined]
-            torch.cuda.synchronize(dev)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
 
         loader = FunctionLoader(lambda named: model.load_weights(weights=list(named)), post_hook=post_hook)
         res = update_weights_from_ipc(pick_address(zmq_handles, me), loader, device=dev, device_id=me,
