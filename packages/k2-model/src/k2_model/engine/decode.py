@@ -1,0 +1,150 @@
+"""MLA attention over the compressed cache: absorbed decode, expanded decode (reference), expanded prefill.
+
+Shape legend: n sequences in the step, T packed prefill tokens, L cached length (keys), H heads,
+P qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim, C kv_lora_rank, K = C + R, D hidden size,
+R2 = R // 2.
+
+Absorbed decode (DeepSeek-V2 section 2.1.2): head h's key-nope is W_UK[h] c and its value
+W_UV[h] c, with c the normalised latent. So
+    q_nope[h] . k_nope[h]_j = (W_UK[h]^T q_nope[h]) . c_j      (W_UK folded into the query)
+    sum_j p_j W_UV[h] c_j   = W_UV[h] (sum_j p_j c_j)          (W_UV folded into the output)
+and every head attends over the shared K-dim cache rows [c_j, rope(k_rope)_j] directly: one
+batched matmul for scores and one for the weighted sum, never expanding per-head keys/values.
+W_UK and W_UV are views of `kv_b_proj.weight` taken at every call: the engine keeps no derived
+copy of any weight, so weights updated in place between steps take effect on the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from k2_model.engine.cache import MLACache
+from k2_model.model import MLAttention
+from k2_model.rope import apply_rope_interleaved
+
+
+def _query(attn: MLAttention, x_nD: Tensor) -> Tensor:
+    """[n, H, P + R] queries (q low-rank path or plain q_proj)."""
+    H, P, R = attn.num_heads, attn.P, attn.R
+    if attn.config.q_lora_rank is None:
+        return attn.q_proj(x_nD).view(-1, H, P + R)
+    return attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x_nD))).view(-1, H, P + R)
+
+
+def cache_rows(attn: MLAttention, x_nD: Tensor, cos_nR2: Tensor, sin_nR2: Tensor) -> Tensor:
+    """The cache rows of new tokens: [kv_a_layernorm(c), rope(k_rope)], [n, C + R]."""
+    c_nC, k_rope_nR = attn.kv_a_proj_with_mqa(x_nD).split([attn.C, attn.R], dim=-1)
+    return torch.cat((attn.kv_a_layernorm(c_nC), apply_rope_interleaved(k_rope_nR, cos_nR2, sin_nR2)), dim=-1)
+
+
+def _up_weights(attn: MLAttention) -> tuple[Tensor, Tensor]:
+    """W_UK [H, P, C] and W_UV [H, V, C]: views of kv_b_proj.weight [H * (P + V), C]."""
+    w_HXC = attn.kv_b_proj.weight.view(attn.num_heads, attn.P + attn.V, attn.C)
+    return w_HXC[:, : attn.P], w_HXC[:, attn.P :]
+
+
+def _key_mask(lengths_n: Tensor, L: int) -> Tensor:
+    """[n, 1, L] True where key j < length (the key exists for that sequence)."""
+    return (torch.arange(L, device=lengths_n.device).unsqueeze(0) < lengths_n.unsqueeze(1)).unsqueeze(1)
+
+
+def decode_attention_absorbed(
+    attn: MLAttention,
+    x_nD: Tensor,
+    cos_nR2: Tensor,
+    sin_nR2: Tensor,
+    cache: MLACache,
+    layer: int,
+    pos_n: Tensor,
+    max_len: int,
+) -> Tensor:
+    """One new token per sequence in slots 0..n-1 at positions pos_n: writes its cache row, returns [n, D].
+
+    `max_len` = max(pos_n) + 1 (passed in so the step computes it once for all layers).
+    """
+    n = x_nD.shape[0]
+    H, C = attn.num_heads, attn.C
+    q_nHX = _query(attn, x_nD)
+    q_nope_nHP, q_rope_nHR = q_nHX.split([attn.P, attn.R], dim=-1)
+    q_rope_nHR = apply_rope_interleaved(q_rope_nHR, cos_nR2.unsqueeze(1), sin_nR2.unsqueeze(1))
+    cache.write(layer, torch.arange(n, device=x_nD.device), pos_n, cache_rows(attn, x_nD, cos_nR2, sin_nR2))
+    kv_nLK = cache.view(layer, n, max_len)
+
+    w_uk_HPC, w_uv_HVC = _up_weights(attn)
+    q_lat_HnC = torch.bmm(q_nope_nHP.transpose(0, 1), w_uk_HPC)  # W_UK folded into the query
+    q_nHK = torch.cat((q_lat_HnC.transpose(0, 1), q_rope_nHR), dim=-1)
+    scores_nHL = torch.bmm(q_nHK, kv_nLK.transpose(1, 2).to(q_nHK.dtype))
+    scores_nHL = scores_nHL.mul_(attn.softmax_scale).masked_fill_(~_key_mask(pos_n + 1, max_len), float("-inf"))
+    probs_nHL = F.softmax(scores_nHL, dim=-1, dtype=torch.float32).to(q_nHK.dtype)
+    o_lat_nHC = torch.bmm(probs_nHL, kv_nLK[..., :C].to(q_nHK.dtype))
+    o_HnV = torch.bmm(o_lat_nHC.transpose(0, 1), w_uv_HVC.transpose(1, 2))  # W_UV folded into the output
+    return attn.o_proj(o_HnV.transpose(0, 1).reshape(n, H * attn.V))
+
+
+def decode_attention_expanded(
+    attn: MLAttention,
+    x_nD: Tensor,
+    cos_nR2: Tensor,
+    sin_nR2: Tensor,
+    cache: MLACache,
+    layer: int,
+    pos_n: Tensor,
+    max_len: int,
+) -> Tensor:
+    """The same step in the expanded form (per-head keys and values rebuilt from the cache): the reference."""
+    n = x_nD.shape[0]
+    H, P, R, V, C = attn.num_heads, attn.P, attn.R, attn.V, attn.C
+    q_nHX = _query(attn, x_nD)
+    q_nope_nHP, q_rope_nHR = q_nHX.split([P, R], dim=-1)
+    q_rope_nHR = apply_rope_interleaved(q_rope_nHR, cos_nR2.unsqueeze(1), sin_nR2.unsqueeze(1))
+    cache.write(layer, torch.arange(n, device=x_nD.device), pos_n, cache_rows(attn, x_nD, cos_nR2, sin_nR2))
+    kv_nLK = cache.view(layer, n, max_len).to(q_nHX.dtype)
+    kv_nLHX = attn.kv_b_proj(kv_nLK[..., :C]).view(n, max_len, H, P + V)
+    k_nope_nHLP, v_nHLV = kv_nLHX.transpose(1, 2).split([P, V], dim=-1)
+    k_nHLX = torch.cat((k_nope_nHLP, kv_nLK[..., C:].unsqueeze(1).expand(n, H, max_len, R)), dim=-1)
+    q_nH1X = torch.cat((q_nope_nHP, q_rope_nHR), dim=-1).unsqueeze(2)
+    mask_n11L = _key_mask(pos_n + 1, max_len).unsqueeze(1)
+    o_nH1V = F.scaled_dot_product_attention(q_nH1X, k_nHLX, v_nHLV, attn_mask=mask_n11L, scale=attn.softmax_scale)
+    return attn.o_proj(o_nH1V.reshape(n, H * V))
+
+
+def prefill_attention(
+    attn: MLAttention,
+    x_TD: Tensor,
+    cos_TR2: Tensor,
+    sin_TR2: Tensor,
+    cache: MLACache,
+    layer: int,
+    slots: list[int],
+    lengths: list[int],
+) -> Tensor:
+    """Packed prompts (sequence i = `lengths[i]` tokens, positions from 0) in the expanded form.
+
+    Projections run once over all T tokens; causal attention runs per sequence (varlen), so no
+    padding and no block-diagonal mask. Writes each sequence's cache rows into its slot.
+    """
+    T = x_TD.shape[0]
+    H, P, R, V = attn.num_heads, attn.P, attn.R, attn.V
+    q_THX = _query(attn, x_TD)
+    q_nope_THP, q_rope_THR = q_THX.split([P, R], dim=-1)
+    q_rope_THR = apply_rope_interleaved(q_rope_THR, cos_TR2.unsqueeze(1), sin_TR2.unsqueeze(1))
+    rows_TK = cache_rows(attn, x_TD, cos_TR2, sin_TR2)
+    kv_THX = attn.kv_b_proj(rows_TK[:, : attn.C]).view(T, H, P + V)
+    k_nope_THP, v_THV = kv_THX.split([P, V], dim=-1)
+    q_HTX = torch.cat((q_nope_THP, q_rope_THR), dim=-1).transpose(0, 1)
+    k_HTX = torch.cat((k_nope_THP, rows_TK[:, attn.C :].unsqueeze(1).expand(T, H, R)), dim=-1).transpose(0, 1)
+    v_HTV = v_THV.transpose(0, 1)
+    outs, start = [], 0
+    for slot, S in zip(slots, lengths):
+        cache.write_span(layer, slot, 0, rows_TK[start : start + S])
+        sl = slice(start, start + S)
+        outs.append(
+            F.scaled_dot_product_attention(
+                q_HTX[None, :, sl], k_HTX[None, :, sl], v_HTV[None, :, sl], is_causal=True, scale=attn.softmax_scale
+            )[0]
+        )
+        start += S
+    o_HTV = torch.cat(outs, dim=1)
+    return attn.o_proj(o_HTV.transpose(0, 1).reshape(T, H * V))
