@@ -6,7 +6,7 @@ C kv_lora_rank, R qk_rope_head_dim, K = C + R (one cache row), n running sequenc
 A row is `[kv_a_layernorm(c) (C), rope(k_rope) (R)]`: everything MLA's attention needs, since
 every head's key-nope and value are linear in the latent (`kv_b_proj`). That is C + R values per
 token and layer (576 for K2) instead of H * (P + R + V) for expanded per-head keys and values
-(40,960 for K2's 64 heads): 71x smaller.
+(20,480 for K2's 64 heads): 35.6x smaller.
 
 Slots are kept dense: running sequences occupy slots 0..n-1, so a decode step reads the view
 `kv[layer, :n, :length]` with no gather. When a sequence leaves, the last running sequence is
