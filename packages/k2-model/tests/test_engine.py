@@ -64,7 +64,7 @@ def prompts_of(lengths: list[int], vocab: int = 512, seed: int = 1) -> list[list
 def greedy_recompute(model: K2ForCausalLM, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
-        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        ids.append(int(model(torch.tensor([ids], device=model.lm_head.weight.device)).logits[0, -1].argmax()))
     return ids[len(prompt) :]
 
 
@@ -333,3 +333,17 @@ def test_weights_updated_in_place_take_effect_next_step() -> None:
         logits = model(torch.tensor([prompt + c.token_ids[:1]])).logits[0, -1]
     assert out.token_ids[0] == int(logits.argmax())
     assert abs(c.logprobs[1] - float(F.log_softmax(logits, -1)[out.token_ids[0]])) < 1e-4
+
+
+@pytest.mark.cuda
+def test_greedy_with_cache_equals_full_recomputation_on_cuda() -> None:
+    model = make_model(yarn=True).cuda()
+    prompts = prompts_of([5, 21, 12])
+    outs = Engine(model).generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
+    for p, c in zip(prompts, outs):
+        assert c.token_ids == greedy_recompute(model, p, 10)
+    sampled = Engine(model).generate(prompts[:1], SamplingParams(max_tokens=6, temperature=0.8, seed=3))[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[0] + sampled.token_ids], device="cuda")).logits[0, 4:-1]
+    raw = torch.log_softmax(logits, -1).gather(1, torch.tensor(sampled.token_ids, device="cuda")[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(sampled.logprobs), raw.cpu(), atol=1e-4)
