@@ -166,7 +166,7 @@ class Engine:
         return self.cache.bytes_per_token()
 
     # ------------------------------------------------------------------ the step
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         with self._lock:

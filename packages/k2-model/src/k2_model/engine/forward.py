@@ -26,7 +26,7 @@ def _mlp(layer: torch.nn.Module, h_TD: Tensor) -> Tensor:
     return layer.mlp(layer.post_attention_layernorm(h_TD).unsqueeze(0)).squeeze(0)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def prefill(
     model: K2ForCausalLM, cache: MLACache, prompts: Sequence[Sequence[int]], slots: Sequence[int]
 ) -> Tensor:
@@ -47,7 +47,7 @@ def prefill(
     return model.lm_head(inner.norm(h_TD[last_n])).float()
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def decode(
     model: K2ForCausalLM, cache: MLACache, tokens_n: Tensor, pos_n: Tensor, attention: str = "absorbed"
 ) -> Tensor:
