@@ -347,3 +347,17 @@ def test_greedy_with_cache_equals_full_recomputation_on_cuda() -> None:
         logits = model(torch.tensor([prompts[0] + sampled.token_ids], device="cuda")).logits[0, 4:-1]
     raw = torch.log_softmax(logits, -1).gather(1, torch.tensor(sampled.token_ids, device="cuda")[:, None])[:, 0]
     assert torch.allclose(torch.tensor(sampled.logprobs), raw.cpu(), atol=1e-4)
+
+
+def test_bf16_model_gets_a_bf16_cache() -> None:
+    model = make_model().to(torch.bfloat16)
+    cfg = model.config
+    engine = Engine(model)
+    assert engine.cache.kv_LyNLK.dtype == torch.bfloat16
+    assert engine.cache_bytes_per_token() == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * 2
+    prompt = prompts_of([9])[0]
+    c = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))[0]
+    with torch.no_grad():  # bf16 rounding differs between the paths: compare distributions, not bits
+        logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1 : -1].float()
+    raw = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(c.logprobs), raw, atol=0.1)

@@ -4,7 +4,7 @@ Shape legend: n sequences in the step, T packed prefill tokens, L cached length 
 P qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim, C kv_lora_rank, K = C + R, D hidden size,
 R2 = R // 2.
 
-Absorbed decode (DeepSeek-V2 section 2.1.2): head h's key-nope is W_UK[h] c and its value
+Absorbed decode (the DeepSeek-V2 paper's weight absorption): head h's key-nope is W_UK[h] c and its value
 W_UV[h] c, with c the normalised latent. So
     q_nope[h] . k_nope[h]_j = (W_UK[h]^T q_nope[h]) . c_j      (W_UK folded into the query)
     sum_j p_j W_UV[h] c_j   = W_UV[h] (sum_j p_j c_j)          (W_UV folded into the output)
