@@ -361,3 +361,33 @@ def test_bf16_model_gets_a_bf16_cache() -> None:
         logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1 : -1].float()
     raw = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
     assert torch.allclose(torch.tensor(c.logprobs), raw, atol=0.1)
+
+
+def test_engine_thread_streams_and_applies_weight_updates_between_steps() -> None:
+    from k2_model.engine import EngineThread
+
+    model = make_model()
+    prompts = prompts_of([4, 11, 7])
+    want = Engine(model).generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    runner = EngineThread(Engine(model))
+    try:
+        subs = [runner.submit(p, SamplingParams(max_tokens=8, temperature=0.0)) for p in prompts]
+        for (_rid, q), ref in zip(subs, want):
+            toks = []
+            while True:
+                out = q.get(timeout=30)
+                assert not isinstance(out, BaseException)
+                toks += out.token_ids
+                if out.finished:
+                    break
+            assert toks == ref.token_ids and out.finish_reason == "length"
+        # a weight update runs on the stepping thread, between steps; its result comes back
+        fut = runner.call_between_steps(lambda: model.lm_head.weight.mul_(2.0).shape)
+        assert fut.result(timeout=30) == model.lm_head.weight.shape
+        _rid, q = runner.submit(prompts[0], SamplingParams(max_tokens=1, temperature=0.0))
+        first = q.get(timeout=30)
+        with torch.no_grad():
+            assert first.token_ids[0] == int(model(torch.tensor([prompts[0]])).logits[0, -1].argmax())
+            assert abs(first.logprobs[0] - float(F.log_softmax(model(torch.tensor([prompts[0]])).logits[0, -1], -1).max())) < 1e-4
+    finally:
+        runner.close()

@@ -9,7 +9,8 @@ from k2_model.engine.cache import MLACache
 from k2_model.engine.engine import Completion, Engine, StepOutput
 from k2_model.engine.forward import decode, prefill
 from k2_model.engine.sampling import SamplingParams, process_logits, sample
+from k2_model.engine.thread import EngineThread
 
 __all__ = [
-    "Completion", "Engine", "MLACache", "SamplingParams", "StepOutput", "decode", "prefill", "process_logits", "sample",
+    "Completion", "Engine", "EngineThread", "MLACache", "SamplingParams", "StepOutput", "decode", "prefill", "process_logits", "sample",
 ]  # fmt: skip

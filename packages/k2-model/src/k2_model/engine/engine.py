@@ -22,7 +22,9 @@ import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -120,6 +122,7 @@ class Engine:
         self._running: list[_Running] = []  # index = cache slot
         self._waiting: deque[_Running] = deque()
         self._aborts: set[str] = set()
+        self._between_steps: deque[tuple[Callable[[], Any], Future]] = deque()
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(seed)
@@ -154,9 +157,18 @@ class Engine:
         with self._lock:
             self._aborts.add(request_id)
 
+    def call_between_steps(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn()` (under no_grad) on the stepping thread before the next step's work (e.g. loading new weights
+        from k2-ckpt while serving); thread-safe. The returned Future holds its result or error.
+        Running requests keep their cache (computed with the old weights), as in vLLM."""
+        fut: Future = Future()
+        with self._lock:
+            self._between_steps.append((fn, fut))
+        return fut
+
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self._running or self._waiting)
+            return bool(self._running or self._waiting or self._between_steps)
 
     @property
     def num_running(self) -> int:
@@ -166,8 +178,21 @@ class Engine:
         return self.cache.bytes_per_token()
 
     # ------------------------------------------------------------------ the step
-    @torch.inference_mode()
     def step(self) -> list[StepOutput]:
+        """Run the queued between-step calls, then one step of generation; outputs of this step."""
+        with self._lock:
+            calls, self._between_steps = self._between_steps, deque()
+        for fn, fut in calls:  # no_grad, not inference mode: loaded weights stay ordinary tensors
+            if fut.set_running_or_notify_cancel():
+                try:
+                    with torch.no_grad():
+                        fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller through the Future
+                    fut.set_exception(e)
+        return self._step()
+
+    @torch.inference_mode()
+    def _step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         with self._lock:
             aborts, self._aborts = self._aborts, set()

@@ -1,0 +1,86 @@
+"""EngineThread: drive an Engine from a background thread and stream each request's outputs.
+
+A server submits requests from any thread (or an asyncio loop, via `loop.run_in_executor` or by
+polling) and reads `StepOutput`s from the request's queue; the last one has `finished=True`.
+The thread sleeps while there is nothing to do.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from k2_model.engine.engine import Engine, StepOutput
+from k2_model.engine.sampling import SamplingParams
+
+
+class EngineThread:
+    """Owns the stepping of one Engine; `submit` returns a queue of that request's StepOutputs."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._queues: dict[str, queue.Queue[StepOutput | BaseException]] = {}
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="k2-engine", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> tuple[str, queue.Queue[StepOutput | BaseException]]:
+        q: queue.Queue[StepOutput | BaseException] = queue.Queue()
+        rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
+        if rid in self._queues:
+            raise ValueError(f"EngineThread.submit: request_id {rid!r} is already running")
+        self._queues[rid] = q  # before the engine can step it
+        try:
+            self.engine.add_request(prompt_token_ids, params, rid)
+        except BaseException:
+            self._queues.pop(rid, None)
+            raise
+        with self._wake:
+            self._wake.notify()
+        return rid, q
+
+    def abort(self, request_id: str) -> None:
+        with self._wake:
+            self.engine.abort(request_id)
+            self._wake.notify()
+
+    def call_between_steps(self, fn: Callable[[], Any]) -> Future:
+        """See `Engine.call_between_steps`."""
+        with self._wake:
+            fut = self.engine.call_between_steps(fn)
+            self._wake.notify()
+        return fut
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self.engine.has_unfinished():
+                    self._wake.wait()
+                if self._stop:
+                    return
+            try:
+                outs = self.engine.step()
+            except BaseException as e:  # noqa: BLE001 - every waiting request learns about it
+                for q in list(self._queues.values()):
+                    q.put(e)
+                self._queues.clear()
+                raise
+            for out in outs:
+                q = self._queues.get(out.request_id)
+                if q is not None:
+                    q.put(out)
+                    if out.finished:
+                        self._queues.pop(out.request_id, None)
