@@ -130,7 +130,7 @@ def test_logprobs_equal_forward_log_softmax(top_k: int, top_p: float) -> None:
     engine = Engine(model)
     prompts = prompts_of([6, 13])
     T = 0.7
-    params = SamplingParams(max_tokens=10, temperature=T, top_k=top_k, top_p=top_p, seed=5)
+    params = SamplingParams(max_tokens=10, temperature=T, top_k=top_k, top_p=top_p, seed=5, top_logprobs=3)
     outs = engine.generate(prompts, params)
     with torch.no_grad():
         for p, c in zip(prompts, outs):
@@ -143,6 +143,10 @@ def test_logprobs_equal_forward_log_softmax(top_k: int, top_p: float) -> None:
             sampled = ref.gather(1, tok[:, None])[:, 0]
             assert torch.isfinite(sampled).all()
             assert torch.allclose(torch.tensor(c.sampled_logprobs), sampled, atol=1e-4)
+            top_vals, top_ids = torch.log_softmax(logits, -1).topk(3, dim=-1)
+            for t, d in enumerate(c.top_logprobs):  # the 3 most likely tokens under the raw distribution
+                assert list(d) == top_ids[t].tolist()
+                assert torch.allclose(torch.tensor(list(d.values())), top_vals[t], atol=1e-4)
 
 
 def ref_processed_logp(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
