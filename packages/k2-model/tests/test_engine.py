@@ -395,3 +395,20 @@ def test_engine_thread_streams_and_applies_weight_updates_between_steps() -> Non
             assert abs(first.logprobs[0] - float(F.log_softmax(model(torch.tensor([prompts[0]])).logits[0, -1], -1).max())) < 1e-4
     finally:
         runner.close()
+
+
+def test_queue_beyond_max_batch_size_and_prefill_budget() -> None:
+    model = make_model(yarn=True)
+    engine = Engine(model, max_batch_size=2, max_prefill_tokens=10)
+    prompts = prompts_of([8, 6, 12, 3, 9])
+    max_tokens = [5, 9, 4, 7, 3]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0)) for p, m in zip(prompts, max_tokens)]
+    done, most_running = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.completion
+        most_running = max(most_running, engine.num_running)
+    assert most_running == 2  # never more than max_batch_size in the cache
+    for i, rid in enumerate(ids):
+        assert done[rid].token_ids == greedy_recompute(model, prompts[i], max_tokens[i])
