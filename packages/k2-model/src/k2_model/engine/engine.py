@@ -86,7 +86,9 @@ class Engine:
     `detokenize(ids) -> str` is needed for stop strings and `text` (without it `text` stays "").
     `eos_token_ids` defaults to the config's `eos_token_id`. `max_model_len` (prompt + generated
     tokens) defaults to the config's `max_position_embeddings`. `max_prefill_tokens` bounds the
-    prompt tokens admitted in one step (at least one request is always admitted).
+    prompt tokens admitted in one step (at least one request is always admitted). `attention`
+    "expanded" decodes with per-head keys and values rebuilt from the cache (the reference form,
+    for tests). The model is put in eval mode; the cache takes its dtype and device.
     """
 
     def __init__(
