@@ -86,6 +86,7 @@ def main() -> None:
     ap.add_argument("--docs", type=Path, default=ROOT / "docs")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="three runs instead of the full grid")
+    ap.add_argument("--replot", action="store_true", help="no training: re-read the runs in --out, rewrite docs")
     args = ap.parse_args()
     console = Console()
     tail = max(1, min(50, args.steps // 4))
@@ -99,9 +100,10 @@ def main() -> None:
             **overrides,
         )
         t0 = time.perf_counter()
-        console.print(f"[bold]{label}[/bold] ...")
-        result = run_pretrain(cfg, console=console, quiet=True)
-        rows = read_metrics(result.run_dir / "metrics.jsonl")
+        if not args.replot:
+            console.print(f"[bold]{label}[/bold] ...")
+            run_pretrain(cfg, console=console, quiet=True)
+        rows = read_metrics(Path(cfg.out) / "metrics.jsonl")
         s = summarise(label, rows, args.tau, tail)
         s["seconds"] = time.perf_counter() - t0
         results.append(s)

@@ -23,6 +23,14 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
+def _ema(values: Sequence[float], decay: float) -> list[float]:
+    out, avg = [], None
+    for v in values:
+        avg = v if avg is None else decay * avg + (1 - decay) * v
+        out.append(avg)
+    return out
+
+
 def plot_runs(
     runs: Sequence[tuple[str, list[dict]]], out_dir: Path, tau: float | None = None, prefix: str = ""
 ) -> list[Path]:
@@ -31,12 +39,19 @@ def plot_runs(
     written = []
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for label, rows in runs:
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, rows) in enumerate(runs):
+        color = colors[i % len(colors)]
         train = [r for r in rows if "loss" in r]
-        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label=f"{label} train", lw=1)
+        steps, losses = [r["step"] for r in train], [r["loss"] for r in train]
+        # Per-batch losses are noisy (code and docstrings vary a lot): draw them faintly, and an
+        # exponential moving average on top; the held-out loss is the clean comparison.
+        ax.plot(steps, losses, color=color, lw=0.6, alpha=0.25)
+        ax.plot(steps, _ema(losses, 0.9), color=color, lw=1.4, label=f"{label} train (EMA)")
         val = [r for r in rows if r.get("val_loss") is not None]
         if val:
-            ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o--", ms=3, label=f"{label} val")
+            ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o--", color=color, ms=3,
+                    lw=1, label=f"{label} val")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title("loss")
@@ -49,9 +64,10 @@ def plot_runs(
     written.append(path)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for label, rows in runs:
+    for i, (label, rows) in enumerate(runs):
         pts = [r for r in rows if r.get("max_logit") is not None]
-        ax.plot([r["step"] for r in pts], [r["max_logit"] for r in pts], label=label, lw=1)
+        ax.plot([r["step"] for r in pts], [r["max_logit"] for r in pts], label=label, lw=1,
+                color=colors[i % len(colors)])
     if tau is not None:
         ax.axhline(tau, color="k", ls="--", lw=1, label=f"tau = {tau:g}")
     ax.set_xlabel("step")
