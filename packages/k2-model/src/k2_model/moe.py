@@ -75,36 +75,12 @@ class RoutedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(E, I, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
-    # On CPU, `torch._grouped_mm` runs one small GEMM per expert, which two threads cannot keep
-    # busy; padding every expert's rows to the largest group and using one batched `bmm` per
-    # projection was several times faster there when the loads are balanced. Padding wastes
-    # (capacity * E - N) rows of FLOPs, so it is used only while that waste stays under this ratio.
-    cpu_padded_max_waste: float = 0.5
-
     def forward(self, x_ND: Tensor, offsets_E: Tensor) -> Tensor:
-        if x_ND.device.type == "cpu" and x_ND.shape[0] > 0:
-            counts_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
-            capacity = int(counts_E.max())
-            if capacity * self.num_experts <= (1.0 + self.cpu_padded_max_waste) * x_ND.shape[0]:
-                return self._forward_padded(x_ND, counts_E, offsets_E, capacity)
         # Separate gate and up GEMMs: concatenating the weights on the fly would copy all experts'
         # weights (and their gradients) every step, which costs more on CPU than the extra launch.
         gate_NI = torch._grouped_mm(x_ND, self.gate_proj.transpose(-1, -2), offs=offsets_E)
         up_NI = torch._grouped_mm(x_ND, self.up_proj.transpose(-1, -2), offs=offsets_E)
         return torch._grouped_mm(F.silu(gate_NI) * up_NI, self.down_proj.transpose(-1, -2), offs=offsets_E)
-
-    def _forward_padded(self, x_ND: Tensor, counts_E: Tensor, offsets_E: Tensor, capacity: int) -> Tensor:
-        """The same SwiGLU per expert as batched GEMMs over [E, capacity, D] (C = capacity)."""
-        E, N, D = self.num_experts, x_ND.shape[0], x_ND.shape[1]
-        counts = counts_E.long()
-        expert_N = torch.repeat_interleave(torch.arange(E, device=x_ND.device), counts, output_size=N)
-        row_in_expert_N = torch.arange(N, device=x_ND.device) - (offsets_E.long() - counts)[expert_N]
-        slot_N = expert_N * capacity + row_in_expert_N
-        x_ECD = x_ND.new_zeros(E * capacity, D).index_copy(0, slot_N, x_ND).view(E, capacity, D)
-        gate_ECI = torch.bmm(x_ECD, self.gate_proj.transpose(-1, -2))
-        up_ECI = torch.bmm(x_ECD, self.up_proj.transpose(-1, -2))
-        y_ECD = torch.bmm(F.silu(gate_ECI) * up_ECI, self.down_proj.transpose(-1, -2))
-        return y_ECD.reshape(E * capacity, D).index_select(0, slot_N)
 
 
 class MoE(nn.Module):
