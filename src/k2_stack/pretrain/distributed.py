@@ -48,12 +48,15 @@ def init_distributed(device_type: str) -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, created)
 
 
-def shard_model(model: nn.Module) -> None:
-    from torch.distributed.fsdp import fully_shard
+def shard_model(model: nn.Module, compute_dtype: torch.dtype = torch.float32) -> None:
+    """FSDP2 per decoder layer and at the root. With bf16 compute the policy is K2's: bf16
+    parameters in forward/backward, fp32 master weights and fp32 gradient reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
 
 
 def all_reduce_scalar(value: float, op: str, info: DistInfo, device: torch.device) -> float:

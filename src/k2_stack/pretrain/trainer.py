@@ -261,7 +261,7 @@ def _run(
     model = build_model(cfg, train_ds.vocab_size, device)
     model.train()
     if info.enabled:
-        dd.shard_model(model)
+        dd.shard_model(model, dtype)
     optimizer = build_optimizer(cfg, model)
     scheduler = wsd_for(cfg, optimizer)
     step = 0
@@ -280,7 +280,9 @@ def _run(
         _truncate_metrics(run_dir / METRICS, step)
 
     def autocast():
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+        # One process: fp32 master weights, bf16 matmuls by autocast. Under FSDP2 its mixed-
+        # precision policy already casts the parameters to bf16 (and reduces in fp32).
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16 and not info.enabled)
 
     def state() -> dict[str, Any]:
         return {
