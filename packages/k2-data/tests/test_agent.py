@@ -382,3 +382,38 @@ def test_schema_from_type_hints():
             pass
     with pytest.raises(ValueError, match="two tools are named 'add'"):
         Agent(lambda r: {}, [add, add], model="m")
+
+
+def test_result_formatting_and_arguments_as_objects():
+    @tool
+    def weather(city: str) -> dict:
+        """Weather for a city."""
+        return {"city": city, "temp_c": 21.5, "sky": "clear ☀"}
+
+    def client(req):
+        if len(req["messages"]) == 1:  # some servers send arguments as an object, and no call id
+            msg = {"role": "assistant", "content": None, "reasoning_content": "need weather",
+                   "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]}
+            return {"choices": [{"message": msg, "finish_reason": "tool_calls"}]}
+        return {"choices": [{"message": {"role": "assistant", "content": tool_results(req)[0]["content"]},
+                             "finish_reason": "stop"}]}
+
+    result = run_agent(client, "weather?", [weather], model="m")
+    assert result.content == '{"city": "Paris", "temp_c": 21.5, "sky": "clear ☀"}'
+    assert result.messages[1] == {"role": "assistant", "content": None, "reasoning_content": "need weather",
+                                  "tool_calls": [{"id": "functions.weather:0", "type": "function",
+                                                  "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]}
+
+
+def test_import_is_light_and_missing_httpx_is_named(monkeypatch):
+    import subprocess
+    import sys
+
+    code = "import sys, k2_data, k2_data.agent; print('httpx' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    monkeypatch.setitem(sys.modules, "httpx", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'k2-data\[agent\]'"):
+        HTTPChatClient("http://127.0.0.1:1/v1")
+    with pytest.raises(ValueError, match="base_url must start with http"):
+        HTTPChatClient("127.0.0.1:8000/v1")
