@@ -12,7 +12,7 @@ import importlib
 import sys
 
 # Subcommand modules, in the order `k2 --help` lists them.
-COMMANDS = ["model", "data", "pretrain", "export", "ckpt"]
+COMMANDS = ["model", "data", "pretrain", "export", "ckpt", "serve"]
 
 
 def build_parser() -> argparse.ArgumentParser:
