@@ -69,6 +69,7 @@ class FakeOpenAI:
 
 @pytest.fixture
 def fake():
+    pytest.importorskip("httpx")  # the `agent` extra; the injected-client tests run without it
     server = FakeOpenAI()
     yield server
     server.close()
