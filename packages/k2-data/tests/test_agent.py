@@ -418,3 +418,18 @@ def test_import_is_light_and_missing_httpx_is_named(monkeypatch):
         HTTPChatClient("http://127.0.0.1:1/v1")
     with pytest.raises(ValueError, match="base_url must start with http"):
         HTTPChatClient("127.0.0.1:8000/v1")
+
+
+def test_sync_agent_awaits_an_async_tool():
+    @tool
+    async def add_async(a: int, b: int) -> int:
+        """Add, asynchronously."""
+        await asyncio.sleep(0)
+        return a + b
+
+    def client(req):
+        if len(req["messages"]) == 1:
+            return completion(None, [("add_async", {"a": 20, "b": 22})])[1]
+        return completion("sum " + tool_results(req)[0]["content"])[1]
+
+    assert run_agent(client, "x", [add_async], model="m").content == "sum 42"
