@@ -244,3 +244,35 @@ def test_weight_update_while_serving(server):
             bridge.update_weights({"no.such.weight": new})
     finally:
         bridge.update_weights({"lm_head.weight": old})
+
+
+def test_ckpt_update_into_live_server(server):
+    """A k2-ckpt ParameterServer (one-rank gloo group) pushes new weights through the receiver mounted at /ckpt."""
+    import torch.distributed as dist
+    from k2_ckpt import ParameterServer
+
+    bridge, client, base = server
+    messages = [{"role": "user", "content": "Weights?"}]
+    prompt = render_ids(bridge.tokenizer, messages, add_generation_prompt=True)
+    old = {n: p.detach().clone() for n, p in bridge.model.named_parameters() if n.startswith("lm_head")}
+    new = {n: torch.randn(t.shape, generator=torch.Generator().manual_seed(11)) * t.std() for n, t in old.items()}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    ps = ParameterServer()
+    try:
+        ps.register_checkpoint("v2", named_tensors=new)
+
+        def req_func(zmq_handles: dict[str, str]) -> None:
+            r = httpx.post(f"{base}/ckpt/v1/update_weights_from_ipc", json={"zmq_handles": zmq_handles}, timeout=60)
+            r.raise_for_status()
+
+        ps.update("v2", req_func)
+        assert all(torch.equal(dict(bridge.model.named_parameters())[n], t) for n, t in new.items())
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
+        ref = _greedy_reference(bridge.model, prompt, 5, _stop_ids(bridge))
+        assert r.usage.completion_tokens == len(ref)
+        text_ids = ref[:-1] if ref[-1] in _stop_ids(bridge) else ref
+        assert r.choices[0].message.content == (bridge.tokenizer.decode(text_ids) or None)
+    finally:
+        ps.close()
+        dist.destroy_process_group()
+        bridge.update_weights(old)

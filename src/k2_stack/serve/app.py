@@ -34,10 +34,15 @@ def _finish(reason: str | None) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def create_app(bridge: EngineBridge) -> FastAPI:
-    """The OpenAI-compatible app over one shared engine bridge."""
+def create_app(bridge: EngineBridge, ckpt_rank: int | None = 0) -> FastAPI:
+    """The OpenAI-compatible app over one shared engine bridge; with `ckpt_rank` set, k2-ckpt's weight
+    receiver is mounted at /ckpt (device id from that rank; see `k2_stack.serve.ckpt`)."""
     app = FastAPI(title="k2 serve")
     app.state.bridge = bridge
+    if ckpt_rank is not None:
+        from k2_stack.serve.ckpt import mount_receiver
+
+        app.state.ckpt_device_id = mount_receiver(app, bridge, ckpt_rank)
     name = bridge.config.served_model_name
     created = int(time.time())
 
