@@ -48,7 +48,7 @@ def make_tensor(name: str, dtype: str, shape: list[int], version: int) -> torch.
     return torch.randint(0, 100, shape, generator=g, dtype=dt)
 
 
-def build_module(spec: Spec) -> nn.Module:
+def build_module(spec: Spec, device: torch.device | str = "cpu") -> nn.Module:
     """An nn.Module whose parameters carry exactly the spec's dotted names, filled with zeros."""
     root = nn.Module()
     for name, (dtype, shape) in spec.items():
@@ -58,7 +58,7 @@ def build_module(spec: Spec) -> nn.Module:
             if part not in mod._modules:
                 mod.add_module(part, nn.Module())
             mod = mod._modules[part]
-        mod.register_parameter(leaf, nn.Parameter(torch.zeros(shape, dtype=dtype_from_name(dtype)),
+        mod.register_parameter(leaf, nn.Parameter(torch.zeros(shape, dtype=dtype_from_name(dtype), device=device),
                                                   requires_grad=False))
     return root
 
@@ -90,12 +90,16 @@ def control_address(run_dir: str, rank: int) -> str:
     return f"ipc://{os.path.join(run_dir, f'engine-{rank}.ctl')}"
 
 
-def _engine_main(rank: int, spec: Spec, ctl: str, staged: bool, timeout_s: float, assign: bool) -> None:
+def _engine_main(rank: int, spec: Spec, ctl: str, staged: bool, timeout_s: float, assign: bool,
+                 device: str = "cpu") -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
-    module = build_module(spec)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    module = build_module(spec, dev)
     adapter = ModuleAdapter(module, assign=assign)
-    me = device_id(torch.device("cpu"), rank)
+    me = device_id(dev, rank)  # the GPU's UUID on CUDA: the same key the rank's server computes
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.bind(ctl)
@@ -107,9 +111,11 @@ def _engine_main(rank: int, spec: Spec, ctl: str, staged: bool, timeout_s: float
             if cmd == "update":
                 loader = _FaultyLoader(adapter, *fault) if fault else adapter
                 fault = None
-                res = update_weights_from_ipc(kw["zmq_handles"][me], loader, device_id=me, staged=staged,
-                                              timeout_s=timeout_s, zmq_ctx=ctx)
+                res = update_weights_from_ipc(kw["zmq_handles"][me], loader, device=dev, device_id=me,
+                                              staged=staged, timeout_s=timeout_s, zmq_ctx=ctx)
                 reply = ("ok", res.tensors)
+            elif cmd == "ping":
+                reply = ("ok", me)
             elif cmd == "digest":
                 reply = ("ok", {n: digest(t) for n, t in module.state_dict().items()})
             elif cmd == "mode":
@@ -146,14 +152,29 @@ def call(ctl: str, cmd: str, timeout_s: float = 60.0, **kw) -> tuple[str, object
 
 
 class EngineProcess:
-    """The rank's colocated engine. Fork it before `init_process_group` (no threads yet)."""
+    """The rank's colocated engine. On CPU it is forked (start it before `init_process_group`:
+    no threads yet); on CUDA it is spawned (a forked child cannot use CUDA) and receives
+    through CUDA IPC, like a vLLM worker on the same GPU."""
 
     def __init__(self, rank: int, spec: Spec, run_dir: str, *, staged: bool = True, timeout_s: float = 60.0,
-                 assign: bool = False):
+                 assign: bool = False, device: str = "cpu"):
         self.rank, self.ctl = rank, control_address(run_dir, rank)
-        self.proc = mp.get_context("fork").Process(target=_engine_main, args=(rank, spec, self.ctl, staged, timeout_s, assign),
-                                                   daemon=True)
+        method = "spawn" if torch.device(device).type == "cuda" else "fork"
+        self.proc = mp.get_context(method).Process(
+            target=_engine_main, args=(rank, spec, self.ctl, staged, timeout_s, assign, device), daemon=True)
         self.proc.start()
+
+    def wait_ready(self, timeout_s: float = 120.0) -> str:
+        """Block until the engine answers (a spawned CUDA engine takes seconds); its device id."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.proc.is_alive():
+                raise RuntimeError(f"engine {self.rank} exited with code {self.proc.exitcode} before it was ready")
+            try:
+                return self.call("ping", timeout_s=min(5.0, max(0.1, deadline - time.monotonic())))  # type: ignore[return-value]
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"engine {self.rank} not ready within {timeout_s:.0f}s") from None
 
     def call(self, cmd: str, timeout_s: float = 60.0, **kw) -> object:
         status, value = call(self.ctl, cmd, timeout_s, **kw)
@@ -176,9 +197,14 @@ class EngineProcess:
                 self.proc.join()
 
 
-def engines_req_func(run_dir: str, world_size: int, timeout_s: float = 120.0):
-    """req_func for rank 0: ask every engine (concurrently) to run `update_weights_from_ipc`."""
-    ctls = {device_id(torch.device("cpu"), r): control_address(run_dir, r) for r in range(world_size)}
+def engines_req_func(run_dir: str, world_size: int, timeout_s: float = 120.0,
+                     device_ids: list[str] | None = None):
+    """req_func for rank 0: ask every engine (concurrently) to run `update_weights_from_ipc`.
+
+    `device_ids[r]` is rank r's device id (default: the CPU ids; on CUDA, gather
+    `ParameterServer.device_id` from every rank)."""
+    ids = device_ids or [device_id(torch.device("cpu"), r) for r in range(world_size)]
+    ctls = {ids[r]: control_address(run_dir, r) for r in range(world_size)}
 
     def req(zmq_handles: Mapping[str, str]) -> list[tuple[str, object]]:
         ctx = zmq.Context.instance()

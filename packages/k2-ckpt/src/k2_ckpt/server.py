@@ -86,6 +86,9 @@ class ServerConfig:
     # checkpoint in /dev/shm per receiving rank
     cpu_receive_arena: bool = True
     abort_timeout_s: float = 2.0  # how long an abort waits for the receiver's reply
+    # CUDA only: time the owner's host -> device copies with CUDA events (UpdateStats.h2d_s);
+    # off by default, the benchmark turns it on
+    time_h2d: bool = False
     socket_dir: str = field(default_factory=tempfile.gettempdir)
 
 
@@ -97,6 +100,8 @@ class UpdateStats:
     num_buckets: int
     bucket_bytes: int
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase, in order
+    h2d_s: float | None = None  # device time of this rank's H2D copies (ServerConfig.time_h2d)
+    h2d_bytes: int = 0  # bytes this rank copied host -> device
 
     @property
     def gbps(self) -> float:
@@ -333,6 +338,7 @@ class ParameterServer:
             raise ValueError(f"ranks={sorted(receivers)}: {bad} outside 0..{self.world_size - 1}")
         t0 = time.perf_counter()
         self._marks = [("start", t0)]
+        self._h2d_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
         metas, bucket_bytes, plan = self._plan(name)
         self._mark("plan")
         ckpt = self._ckpts[name]
@@ -442,9 +448,16 @@ class ParameterServer:
             if in_place is not None:
                 arena, base = in_place
                 return ckpt.arenas[arena].data[base:base + bucket.nbytes], in_place
+            timed = self.config.time_h2d and slot.is_cuda
+            if timed:  # CUDA events on the copy stream: the pipeline's own H2D rate, no extra sync
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
             for it in bucket.items:
                 src = ckpt.bytes_by_name[it.name][it.chunk_start:it.chunk_start + it.nbytes]
                 slot[it.buf_offset:it.buf_offset + it.nbytes].copy_(src, non_blocking=True)
+            if timed:
+                end.record()
+                self._h2d_events.append((start, end, bucket.nbytes))
             return slot, None
 
         prepared: tuple[torch.Tensor, tuple[int, int] | None] | None = None
@@ -522,6 +535,10 @@ class ParameterServer:
         stats = UpdateStats(checkpoint=name, seconds=time.perf_counter() - t0,
                             nbytes=sum(m.nbytes for m in metas), num_buckets=len(plan), bucket_bytes=bucket_bytes,
                             phases={b[0]: b[1] - a[1] for a, b in zip(self._marks, self._marks[1:])})
+        if self._h2d_events:  # every event has completed: the stream was synchronised per bucket
+            stats.h2d_s = sum(a.elapsed_time(b) for a, b, _ in self._h2d_events) / 1e3
+            stats.h2d_bytes = sum(n for _, _, n in self._h2d_events)
+            self._h2d_events = []
         self.last_stats = stats
         return stats
 
