@@ -276,3 +276,31 @@ def test_ckpt_update_into_live_server(server):
         ps.close()
         dist.destroy_process_group()
         bridge.update_weights(old)
+
+
+def test_cli_starts_the_server():
+    """`k2 serve --preset tiny --port P` (the README's command) answers /health and a chat request."""
+    import subprocess
+    import sys
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "k2_stack", "serve", "--preset", "tiny", "--port", str(port),
+                             "--served-model-name", "k2-tiny"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "k2 serve did not start in 60 s"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["k2-tiny"]
+        r = client.chat.completions.create(model="k2-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert r.usage.completion_tokens <= 3 and r.choices[0].finish_reason in {"stop", "length"}
+    finally:
+        proc.terminate()
+        proc.wait(10)
