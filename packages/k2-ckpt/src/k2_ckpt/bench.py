@@ -368,7 +368,8 @@ def model_bench_rank(rank: int, world: int, cfg: ModelBenchConfig, run_dir: str)
         if world == 1:
             notes.append("world size 1: the broadcast has no peer (NCCL/gloo launch cost only), so 'ratio' "
                          "is not the 2+ rank target; the overlap of broadcast k+1 with loading k across "
-                         "GPUs needs 2+ GPUs. Here the update is bounded by H2D: see update_vs_pinned_copy.")
+                         "GPUs needs 2+ GPUs" + (". Here the update is bounded by H2D: see update_vs_pinned_copy"
+                                                 if device.type == "cuda" else ""))
         out["notes"] = notes
         ps.close()
         return out
