@@ -146,6 +146,16 @@ def test_completions_endpoint(server):
     s = list(client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=6,
                                        temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in s) == r.choices[0].text
+    # a batch of prompts: one choice each, generated together, each equal to its own reference
+    batch = ["Once upon a time", "1, 2, 3,", "def main():"]
+    rb = client.completions.create(model="tiny", prompt=batch, max_tokens=5, temperature=0)
+    assert [c.index for c in rb.choices] == [0, 1, 2]
+    for p, c in zip(batch, rb.choices):
+        ref = _greedy_reference(bridge.model, bridge.tokenizer.encode(p), 5, _stop_ids(bridge))
+        assert c.text == bridge.tokenizer.decode(ref[:-1] if ref[-1] in _stop_ids(bridge) else ref)
+    sb = list(client.completions.create(model="tiny", prompt=batch, max_tokens=5, temperature=0, stream=True))
+    for i, c in enumerate(rb.choices):
+        assert "".join(x.choices[0].text for x in sb if x.choices[0].index == i) == c.text
 
 
 def _check_weather_args(arguments: str) -> dict:
@@ -223,6 +233,17 @@ def test_errors_in_openai_shape(server):
         client.chat.completions.create(model="tiny", messages=user, tools=[WEATHER],
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     assert e.value.body["param"] == "tool_choice"
+    bad_schema = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=user, tools=[bad_schema], tool_choice="required")
+    assert e.value.body["param"] == "tools" and "strin" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=user, n=2)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=[0, 10**6], max_tokens=2)
+    assert e.value.body["param"] == "prompt"
     raw = httpx.post(f"{base}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "param", "code"}
 

@@ -6,6 +6,7 @@ model, 400 for malformed bodies or messages, a context that is too long, and inv
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -118,7 +119,7 @@ def create_app(bridge: EngineBridge, ckpt_rank: int | None = 0) -> FastAPI:
                 call = bridge.guided_call(prompt_ids, tools, named, index, params.max_tokens,
                                           params.temperature, params.seed)
             except ValueError as e:
-                raise APIError(400, str(e), "tool_choice") from None
+                raise APIError(400, str(e), "tools" if str(e).startswith("tools:") else "tool_choice") from None
             pieces = _guided_pieces(bridge, call)
         else:
             pieces = _engine_pieces(bridge, prompt_ids, params)
@@ -169,48 +170,89 @@ def create_app(bridge: EngineBridge, ckpt_rank: int | None = 0) -> FastAPI:
     async def completions(req: CompletionRequest) -> Any:
         check_model(req.model)
         p = req.prompt
-        if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
-            prompt_ids = list(p)
-            if min(prompt_ids) < 0 or max(prompt_ids) >= bridge.model.config.vocab_size:
-                raise APIError(400, f"prompt token ids must be in [0, {bridge.model.config.vocab_size})", "prompt")
-        elif isinstance(p, str):
-            prompt_ids = bridge.tokenizer.encode(p)
-        else:
-            raise APIError(400, "prompt must be one string or one list of token ids", "prompt")
-        if not prompt_ids:
+        # one prompt (a string or token ids) or a batch of them: one choice each, generated concurrently
+        batch = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not batch:
             raise APIError(400, "prompt is empty", "prompt")
-        params = sampling(req, len(prompt_ids), req.max_tokens if req.max_tokens is not None else 16)
+        vocab = bridge.model.config.vocab_size
+        prompts: list[list[int]] = []
+        for i, one in enumerate(batch):
+            ids = bridge.tokenizer.encode(one) if isinstance(one, str) else list(one)
+            if not ids:
+                raise APIError(400, f"prompt[{i}] is empty", "prompt")
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise APIError(400, f"prompt[{i}]: token ids must be in [0, {vocab})", "prompt")
+            prompts.append(ids)
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default here
+        params = [sampling(req, len(ids), max_tokens) for ids in prompts]
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        pieces = _engine_pieces(bridge, prompt_ids, params)
-        prefix = p if (req.echo and isinstance(p, str)) else ""
+        echo = [one if req.echo and isinstance(one, str) else "" for one in batch]
+        n_prompt = sum(len(ids) for ids in prompts)
 
-        def body(text: str, finish: str | None, obj: str = "text_completion") -> dict[str, Any]:
-            return {"id": rid, "object": obj, "created": now, "model": name,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+        def body(i: int, text: str, finish: str | None) -> dict[str, Any]:
+            return {"id": rid, "object": "text_completion", "created": now, "model": name,
+                    "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}]}
 
         if req.stream:
             async def events() -> AsyncIterator[str]:
                 n_out = 0
-                if prefix:
-                    yield _sse(body(prefix, None))
-                async for text, n_new, fin in pieces:
+                for i, e in enumerate(echo):
+                    if e:
+                        yield _sse(body(i, e, None))
+                async for i, (text, n_new, fin) in _merge([_engine_pieces(bridge, ids, sp)
+                                                           for ids, sp in zip(prompts, params)]):
                     n_out += n_new
                     if text or fin:
-                        yield _sse(body(text, _finish(fin) if fin else None))
+                        yield _sse(body(i, text, _finish(fin) if fin else None))
                 if req.stream_options and req.stream_options.include_usage:
                     yield _sse({"id": rid, "object": "text_completion", "created": now, "model": name,
-                                "choices": [], "usage": _usage(len(prompt_ids), n_out)})
+                                "choices": [], "usage": _usage(n_prompt, n_out)})
                 yield _sse("[DONE]")
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        text, n_out, reason = prefix, 0, None
-        async for piece, n_new, fin in pieces:
-            text, n_out, reason = text + piece, n_out + n_new, fin or reason
-        out = body(text, _finish(reason))
-        out["usage"] = _usage(len(prompt_ids), n_out)
-        return out
+
+        async def collect(i: int) -> tuple[str, int, str | None]:
+            text, n_out, reason = echo[i], 0, None
+            async for piece, n_new, fin in _engine_pieces(bridge, prompts[i], params[i]):
+                text, n_out, reason = text + piece, n_out + n_new, fin or reason
+            return text, n_out, reason
+
+        results = await asyncio.gather(*(collect(i) for i in range(len(prompts))))
+        return {"id": rid, "object": "text_completion", "created": now, "model": name,
+                "choices": [body(i, text, _finish(reason))["choices"][0] for i, (text, _, reason) in enumerate(results)],
+                "usage": _usage(n_prompt, sum(n for _, n, _ in results))}
 
     return app
+
+
+async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Items of several async iterators as they arrive, tagged with the iterator's index."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator[Any]) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item))
+        except Exception as e:  # noqa: BLE001 - re-raised by the consumer
+            await queue.put((i, e))
+        else:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def _engine_pieces(bridge: EngineBridge, prompt_ids: list[int], params: SamplingParams

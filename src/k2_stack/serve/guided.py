@@ -83,6 +83,17 @@ class GuidedCall:
         if name is not None and name not in schemas:
             raise ValueError(f"tool_choice names function {name!r}, which is not in tools {sorted(schemas)}")
         self.model, self.tok, self.lltok = model, tokenizer, lltok
+        # every schema compiled up front: a bad one is the request's error (400), not the engine thread's
+        self.grammars: dict[str, str] = {}
+        for fn, schema in schemas.items():
+            try:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    strict_schema(schema), defaults={"whitespace_flexible": False}
+                )
+                _matcher(lltok, grammar)
+            except (ValueError, TypeError, RuntimeError) as e:
+                raise ValueError(f"tools: function {fn!r} parameters: {e}") from None
+            self.grammars[fn] = grammar
         self.schemas, self.call_index = schemas, call_index
         self.vocab = model.config.vocab_size
         self.max_tokens, self.max_model_len = max_tokens, max_model_len
@@ -91,7 +102,7 @@ class GuidedCall:
         self.prompt_ids = list(prompt_ids)
         sp = tokenizer.token_to_id
         self._special = {m: sp(m) for m in (SECTION_BEGIN, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END, SECTION_END)}
-        # forced tokens not yet fed to the model, generated tokens so far
+        # the call's tokens so far, forced and sampled; `_fed` counts how many of prompt + these are cached
         self.generated: list[int] = [self._special[SECTION_BEGIN], self._special[CALL_BEGIN]]
         self.generated += tokenizer.encode("functions.")
         if name is None:  # choose among the declared names, then the forced index
@@ -111,10 +122,7 @@ class GuidedCall:
 
     def _start_arguments(self, name: str) -> None:
         self.phase, self.name = "arguments", name
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            strict_schema(self.schemas[name]), defaults={"whitespace_flexible": False}
-        )
-        self.matcher = _matcher(self.lltok, grammar)
+        self.matcher = _matcher(self.lltok, self.grammars[name])
 
     @property
     def finished(self) -> bool:

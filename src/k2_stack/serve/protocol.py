@@ -75,7 +75,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
 
 
