@@ -325,3 +325,28 @@ def test_cli_starts_the_server():
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_model_dir_checkpoint(tmp_path):
+    """`--model DIR`: an HF-format checkpoint saved by k2-model; served under the directory's name, greedy
+    output equal to the saved model's reference."""
+    from fastapi.testclient import TestClient
+    from k2_model import K2Config, K2ForCausalLM
+
+    torch.manual_seed(3)
+    saved = K2ForCausalLM(K2Config.preset("tiny")).eval()
+    ckpt = tmp_path / "my-k2"
+    saved.save_pretrained(str(ckpt))
+    bridge = build_bridge(str(ckpt), None, max_model_len=128, device="cpu")
+    try:
+        with TestClient(create_app(bridge, ckpt_rank=None)) as http:
+            assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["my-k2"]
+            ids = bridge.tokenizer.encode("Hello world")
+            r = http.post("/v1/completions", json={"model": "my-k2", "prompt": ids, "max_tokens": 6,
+                                                   "temperature": 0}).json()
+        ref = _greedy_reference(saved, ids, 6, _stop_ids(bridge))
+        assert r["choices"][0]["text"] == bridge.tokenizer.decode(ref[:-1] if ref[-1] in _stop_ids(bridge) else ref)
+    finally:
+        bridge.close()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        build_bridge(str(tmp_path), None)

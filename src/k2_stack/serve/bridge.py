@@ -107,9 +107,11 @@ class EngineBridge:
 
 
 def build_bridge(model_dir: str | None, preset: str | None, served_model_name: str | None = None,
-                 max_batch_size: int = 32, max_model_len: int | None = None, seed: int = 0) -> EngineBridge:
+                 max_batch_size: int = 32, max_model_len: int | None = None, seed: int = 0,
+                 device: str | None = None) -> EngineBridge:
     """A bridge for `--model DIR` (HF-format checkpoint; its tokenizer if it has one) or `--preset NAME`
-    (random weights from `seed`, the shipped k2-data tokenizer); fp32 on CPU."""
+    (random weights from `seed`, the shipped k2-data tokenizer). `device` None: CPU for a preset;
+    for a checkpoint CUDA when available (its dtype), else CPU in fp32 (this CPU's bf16 matmuls are slow)."""
     from pathlib import Path
 
     from k2_data import load_tokenizer
@@ -118,15 +120,16 @@ def build_bridge(model_dir: str | None, preset: str | None, served_model_name: s
         raise ValueError("k2 serve: give exactly one of --model DIR or --preset NAME")
     if preset is not None:
         torch.manual_seed(seed)
-        model = K2ForCausalLM(K2Config.preset(preset))
+        model = K2ForCausalLM(K2Config.preset(preset)).to(device or "cpu")
         tokenizer = load_tokenizer()
         name = served_model_name or preset
     else:
         d = Path(model_dir)
         if not (d / "config.json").is_file():
             raise FileNotFoundError(f"k2 serve --model: {d} has no config.json")
-        dtype = None if torch.cuda.is_available() else torch.float32
-        model = K2ForCausalLM.from_pretrained(str(d), dtype=dtype, device="cuda" if torch.cuda.is_available() else "cpu")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = torch.float32 if torch.device(device).type == "cpu" else None
+        model = K2ForCausalLM.from_pretrained(str(d), dtype=dtype, device=device)
         has_tok = (d / "tokenizer.json").is_file() or (d / "tiktoken.model").is_file()
         tokenizer = load_tokenizer(d if has_tok else None)
         name = served_model_name or d.resolve().name

@@ -137,7 +137,8 @@ class GuidedCall:
         else:
             for pos in range(self._fed, len(seq)):  # forced runs are a few tokens
                 self.cache.ensure(1, pos + 1)
-                logits = decode(self.model, self.cache, torch.tensor([seq[pos]]), torch.tensor([pos]))
+                dev = self.cache.device
+                logits = decode(self.model, self.cache, torch.tensor([seq[pos]], device=dev), torch.tensor([pos], device=dev))
         self._fed = len(seq)
         return logits[0]
 
@@ -155,7 +156,7 @@ class GuidedCall:
         if len(self.generated) >= self.max_tokens or len(self.prompt_ids) + len(self.generated) >= self.max_model_len:
             self._close("length")
             return self.generated[before:]
-        logits_N = self._logits_N()
+        logits_N = self._logits_N().cpu()  # masks and the per-request generator live on the host
         allowed_N = _allowed_N(self.matcher, self.vocab)
         logits_N = logits_N.masked_fill(~allowed_N, float("-inf"))
         if self.temperature == 0.0:
