@@ -350,3 +350,19 @@ def test_model_dir_checkpoint(tmp_path):
         bridge.close()
     with pytest.raises(FileNotFoundError, match="config.json"):
         build_bridge(str(tmp_path), None)
+
+
+def test_client_disconnect_aborts_the_request(server):
+    bridge, client, base = server
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Go on forever."}], "max_tokens": 400,
+            "temperature": 0, "stream": True}
+    aborted = bridge.num_aborted
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert all(not x or x.startswith("data: {") for x in got)
+    deadline = time.time() + 10
+    while bridge.engine.has_unfinished():  # aborted long before its 400 tokens
+        assert time.time() < deadline, "the engine kept generating for a closed stream"
+        time.sleep(0.05)
+    assert bridge.num_aborted == aborted + 1

@@ -11,6 +11,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -135,12 +136,13 @@ def create_app(bridge: EngineBridge, ckpt_rank: int | None = 0) -> FastAPI:
                 parser = ToolCallStreamParser() if parse_tools else None
                 yield _sse(chunk({"role": "assistant", "content": ""}))
                 n_out, reason = 0, None
-                async for text, n_new, fin in pieces:
-                    n_out += n_new
-                    for d in parser.feed(text) if parser else ([{"content": text}] if text else []):
-                        yield _sse(chunk(d))
-                    if fin is not None:
-                        reason = fin
+                async with aclosing(pieces):  # a client gone mid-stream aborts its request now, not at GC
+                    async for text, n_new, fin in pieces:
+                        n_out += n_new
+                        for d in parser.feed(text) if parser else ([{"content": text}] if text else []):
+                            yield _sse(chunk(d))
+                        if fin is not None:
+                            reason = fin
                 tools_called = False
                 if parser:
                     end = parser.finish()
@@ -199,11 +201,12 @@ def create_app(bridge: EngineBridge, ckpt_rank: int | None = 0) -> FastAPI:
                 for i, e in enumerate(echo):
                     if e:
                         yield _sse(body(i, e, None))
-                async for i, (text, n_new, fin) in _merge([_engine_pieces(bridge, ids, sp)
-                                                           for ids, sp in zip(prompts, params)]):
-                    n_out += n_new
-                    if text or fin:
-                        yield _sse(body(i, text, _finish(fin) if fin else None))
+                merged = _merge([_engine_pieces(bridge, ids, sp) for ids, sp in zip(prompts, params)])
+                async with aclosing(merged):
+                    async for i, (text, n_new, fin) in merged:
+                        n_out += n_new
+                        if text or fin:
+                            yield _sse(body(i, text, _finish(fin) if fin else None))
                 if req.stream_options and req.stream_options.include_usage:
                     yield _sse({"id": rid, "object": "text_completion", "created": now, "model": name,
                                 "choices": [], "usage": _usage(n_prompt, n_out)})
@@ -258,14 +261,15 @@ async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, 
 async def _engine_pieces(bridge: EngineBridge, prompt_ids: list[int], params: SamplingParams
                          ) -> AsyncIterator[tuple[str, int, str | None]]:
     """(text delta, new tokens, finish reason or None) per engine step of one request."""
-    async for out in bridge.generate(prompt_ids, params):
-        yield out.text_delta, len(out.token_ids), out.finish_reason if out.finished else None
+    async with aclosing(bridge.generate(prompt_ids, params)) as outs:
+        async for out in outs:
+            yield out.text_delta, len(out.token_ids), out.finish_reason if out.finished else None
 
 
 async def _guided_pieces(bridge: EngineBridge, call: Any) -> AsyncIterator[tuple[str, int, str | None]]:
     """The same for a forced tool call: decoded with markers kept, held back while a character is incomplete."""
     emitted = 0
-    async for _ in bridge.run_guided(call):
+    async for _ in bridge.run_guided(call):  # nothing to abort: the next step simply never comes
         text = bridge.tokenizer.decode(call.generated)
         end = len(text) if call.finished else len(text.rstrip("\ufffd"))
         yield text[emitted:end], 0, call.finish_reason

@@ -46,6 +46,7 @@ class EngineBridge:
         self.runner = EngineThread(self.engine)
         self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="k2-serve-wait")
         self._lltok = None  # built on the first forced tool call (about 50 ms)
+        self.num_aborted = 0  # requests whose consumer went away before they finished
 
     @property
     def lltok(self) -> Any:
@@ -70,6 +71,7 @@ class EngineBridge:
                 yield out
         finally:
             if not finished:
+                self.num_aborted += 1
                 self.runner.abort(rid)
 
     def guided_call(self, prompt_ids: Sequence[int], tools: list[dict[str, Any]], name: str | None,
