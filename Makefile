@@ -13,11 +13,12 @@ KERNELS_STAMP := $(VENV)/.k2-kernels
 STAMP         := $(VENV)/.k2-installed
 KERNEL_SRCS   := $(shell find csrc packages/k2-kernels/CMakeLists.txt packages/k2-kernels/pyproject.toml -type f 2>/dev/null)
 
-.PHONY: setup test test-fast demo stats wheels lint bench-model clean help
+.PHONY: setup test test-fast demo serve stats wheels lint bench-model clean help
 
 help:
 	@echo "make demo    set up .venv if needed, then run the main job on the embedded default data"
 	@echo "make test    set up .venv if needed, then run the CPU test suite"
+	@echo "make serve   set up .venv if needed, then k2 serve --preset tiny on localhost:8000"
 	@echo "make stats   the K2 vs DeepSeek-V3 cost model (k2 model stats)"
 	@echo "make wheels  build every package's wheel into dist/"
 	@echo "make lint    ruff"
@@ -52,6 +53,11 @@ DEMO_OUT   ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 DEMO_FLAGS ?= --steps 120 --batch 8 --seq-len 256 --lr 0.02 --tau 30 --max-corpus-mb 4 --eval-every 40 --save-every 60
 demo: $(STAMP)
 	$(VENV)/bin/k2 pretrain --preset tiny --optimizer muonclip $(DEMO_FLAGS) --out $(DEMO_OUT)
+
+# An OpenAI-compatible server on loopback with the tiny preset's random weights (Ctrl-C stops it).
+SERVE_FLAGS ?= --preset tiny --port 8000
+serve: $(STAMP)
+	$(VENV)/bin/k2 serve $(SERVE_FLAGS)
 
 stats: $(STAMP)
 	$(VENV)/bin/k2 model stats --preset kimi-k2 --compare deepseek-v3
