@@ -6,6 +6,8 @@ The compiled module is optional: without it (or without its CUDA part) every op 
 
 from __future__ import annotations
 
+import ctypes
+import os
 import threading
 import warnings
 from types import ModuleType
@@ -20,6 +22,36 @@ try:  # the compiled extension; absent in a source tree that was never built
 except ImportError as exc:  # pragma: no cover - depends on the build
     _compiled = None
     _LOAD_ERROR = f"{type(exc).__name__}: {exc}"
+
+
+def _attach_blas() -> str:
+    """Give the CPU kernels OpenBLAS's sgemm (scipy-openblas32 wheel) when it is installed.
+
+    Resolved at run time (see csrc/include/k2/blas.h), so neither the build nor the wheel needs a
+    BLAS. OpenBLAS is set to one thread: the kernels call it from inside their own OpenMP loops.
+    `K2_BLAS=builtin` keeps the built-in kernel. Returns the backend's name.
+    """
+    if _compiled is None or not hasattr(_compiled, "blas_set_sgemm"):
+        return "none"
+    if os.environ.get("K2_BLAS", "").lower() == "builtin":
+        _compiled.blas_set_sgemm(0)
+        _compiled.blas_set_ssyrk(0)
+        return "builtin"
+    try:
+        import scipy_openblas32
+
+        dll = scipy_openblas32.dll if hasattr(scipy_openblas32, "dll") else ctypes.CDLL(
+            os.path.join(scipy_openblas32.get_lib_dir(), f"lib{scipy_openblas32.get_library()}.so")
+        )
+        dll.scipy_openblas_set_num_threads(ctypes.c_int(1))
+        _compiled.blas_set_sgemm(ctypes.cast(dll.scipy_cblas_sgemm, ctypes.c_void_p).value)
+        _compiled.blas_set_ssyrk(ctypes.cast(dll.scipy_cblas_ssyrk, ctypes.c_void_p).value)
+        return f"openblas {scipy_openblas32.__version__} (scipy-openblas32)"
+    except (ImportError, OSError, AttributeError):
+        return "builtin"
+
+
+BLAS = _attach_blas()
 
 # dtype tags shared with csrc/include/k2/common.h (keep in sync).
 DTYPE_TAG: dict[torch.dtype, int] = {
@@ -65,6 +97,7 @@ def info() -> dict[str, Any]:
         "cpu_kernels": has_cpu(),
         "cuda_kernels": has_cuda(),
         "cuda_archs": getattr(_compiled, "cuda_archs", None),
+        "blas": BLAS,
         "load_error": _LOAD_ERROR,
         "torch_cuda_available": torch.cuda.is_available(),
     }
