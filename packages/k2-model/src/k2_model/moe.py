@@ -22,6 +22,29 @@ try:  # the compiled ops once k2-kernels ships them; the plain-PyTorch reference
 except ImportError:  # pragma: no cover - depends on the k2-kernels build
     from k2_kernels import reference as _kops
 
+try:  # the compiled CPU grouped GEMM (k2-kernels >= the build that ships it)
+    from k2_kernels.grouped_gemm_ops import grouped_mm as _k2_grouped_mm
+    from k2_kernels.grouped_gemm_ops import kernel_available as _k2_grouped_mm_available
+except ImportError:  # pragma: no cover - depends on the k2-kernels version
+    _k2_grouped_mm = None
+
+    def _k2_grouped_mm_available() -> bool:
+        return False
+
+
+def grouped_mm(x_NK: Tensor, w_EKM: Tensor, offsets_E: Tensor) -> Tensor:
+    """`torch._grouped_mm(x, w, offs=offsets_E)`; fp32 CPU tensors go to k2-kernels' grouped GEMM
+    (experts in parallel, one single-threaded BLAS call each) when it is built."""
+    if (
+        x_NK.device.type == "cpu"
+        and x_NK.dtype == torch.float32
+        and w_EKM.dtype == torch.float32
+        and _k2_grouped_mm is not None
+        and _k2_grouped_mm_available()
+    ):
+        return _k2_grouped_mm(x_NK, w_EKM, offsets_E)
+    return torch._grouped_mm(x_NK, w_EKM, offs=offsets_E)
+
 
 class MLP(nn.Module):
     """SwiGLU MLP (dense layers and the shared expert), HF names gate_proj/up_proj/down_proj."""
@@ -78,9 +101,9 @@ class RoutedExperts(nn.Module):
     def forward(self, x_ND: Tensor, offsets_E: Tensor) -> Tensor:
         # Separate gate and up GEMMs: concatenating the weights on the fly would copy all experts'
         # weights (and their gradients) every step, which costs more on CPU than the extra launch.
-        gate_NI = torch._grouped_mm(x_ND, self.gate_proj.transpose(-1, -2), offs=offsets_E)
-        up_NI = torch._grouped_mm(x_ND, self.up_proj.transpose(-1, -2), offs=offsets_E)
-        return torch._grouped_mm(F.silu(gate_NI) * up_NI, self.down_proj.transpose(-1, -2), offs=offsets_E)
+        gate_NI = grouped_mm(x_ND, self.gate_proj.transpose(-1, -2), offsets_E)
+        up_NI = grouped_mm(x_ND, self.up_proj.transpose(-1, -2), offsets_E)
+        return grouped_mm(F.silu(gate_NI) * up_NI, self.down_proj.transpose(-1, -2), offsets_E)
 
 
 class MoE(nn.Module):

@@ -1,0 +1,32 @@
+// Python bindings of the CPU grouped GEMM (see k2_kernels/grouped_gemm_ops.py for the callers).
+#include "k2/bind.h"
+#include "k2/grouped_gemm.h"
+
+namespace py = pybind11;
+using namespace k2;
+
+K2_BINDINGS(grouped_gemm_cpu) {
+  // The kernels run without the GIL: they touch no Python objects.
+  m.def(
+      "grouped_mm_cpu",
+      [](uintptr_t x, int64_t xs, uintptr_t w, int64_t wse, int64_t wsk, int64_t wsm, uintptr_t offs, int64_t E,
+         int64_t N, int64_t K, int64_t M, uintptr_t y, int64_t ys, int threads) {
+        GroupedMmArgs a{ptr<const float>(x), xs, ptr<const float>(w), wse, wsk, wsm, ptr<const int32_t>(offs),
+                        E, N, K, M, ptr<float>(y), ys, threads};
+        py::gil_scoped_release nogil;
+        grouped_mm_cpu(a);
+      },
+      "(x, x_row_stride, w, w_stride_e, w_stride_k, w_stride_m, offsets, E, N, K, M, y_out, y_row_stride, "
+      "num_threads): fp32 y[rows of e] = x[rows of e] @ w[e]");
+  m.def(
+      "grouped_mm_wgrad_cpu",
+      [](uintptr_t x, int64_t xs, uintptr_t dy, int64_t dys, uintptr_t offs, int64_t E, int64_t N, int64_t K,
+         int64_t M, bool trans_out, uintptr_t dw, int threads) {
+        GroupedWgradArgs a{ptr<const float>(x), xs, ptr<const float>(dy), dys, ptr<const int32_t>(offs),
+                           E, N, K, M, trans_out, ptr<float>(dw), threads};
+        py::gil_scoped_release nogil;
+        grouped_mm_wgrad_cpu(a);
+      },
+      "(x, x_row_stride, dy, dy_row_stride, offsets, E, N, K, M, trans_out, dw_out, num_threads): fp32 "
+      "dw[e] = x[rows of e]^T @ dy[rows of e] ([E, K, M]; [E, M, K] when trans_out)");
+}

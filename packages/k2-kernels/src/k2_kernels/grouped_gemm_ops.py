@@ -1,0 +1,203 @@
+"""Grouped (per-expert) GEMM as a torch op: `torch.ops.k2.grouped_mm`.
+
+`grouped_mm(x_NK, w_EKM, offsets_E)` has the semantics of `torch._grouped_mm(x_NK, w_EKM,
+offs=offsets_E)` for a 2-D x and a 3-D w: the rows of x are grouped by expert, expert e owning
+rows [offsets_E[e-1], offsets_E[e]) (int32 inclusive cumulative counts, as `moe_permute` returns
+them), and those rows of the output are x's rows @ w_EKM[e]. Rows after offsets_E[-1] belong to
+no expert: the kernel writes 0 there (torch leaves them unset). w may be contiguous or a
+transposed view of [E, M, K] (nn.Linear's layout, as the model stores its experts).
+
+fp32 CPU tensors run the compiled kernel (`csrc/cpu/grouped_gemm_cpu.cpp`: one single-threaded
+OpenBLAS sgemm per expert, experts in parallel over `torch.get_num_threads()` threads, large experts
+split across threads), which is faster than torch's CPU `_grouped_mm` (a loop of small multi-threaded
+`mm`s). Anything else (other dtypes, CUDA) runs `torch._grouped_mm` itself. The op has a fake
+implementation and autograd: dx = dy @ w[e]^T through the same op, and dw[e] = x_e^T @ dy_e through
+`torch.ops.k2.grouped_mm_wgrad`, written directly in w's layout.
+
+Shape legend: E experts, N grouped rows, K inner size, M output columns.
+"""
+
+# No `from __future__ import annotations`: custom_op reads the annotations to infer the schema.
+import torch
+from torch import Tensor
+
+from k2_kernels import _launch, _lib
+
+__all__ = ["grouped_mm", "grouped_mm_wgrad", "kernel_available", "op_names"]
+
+
+def _check(x_NK: Tensor, w_EKM: Tensor, offsets_E: Tensor) -> None:
+    if x_NK.dim() != 2:
+        raise ValueError(f"grouped_mm: x_NK must be 2-D [rows, in], got shape {tuple(x_NK.shape)}")
+    if w_EKM.dim() != 3:
+        raise ValueError(f"grouped_mm: w_EKM must be 3-D [experts, in, out], got shape {tuple(w_EKM.shape)}")
+    if x_NK.shape[1] != w_EKM.shape[1]:
+        raise ValueError(
+            f"grouped_mm: x_NK has {x_NK.shape[1]} columns but w_EKM has in-size {w_EKM.shape[1]} "
+            f"(shapes {tuple(x_NK.shape)} and {tuple(w_EKM.shape)})"
+        )
+    if x_NK.dtype != w_EKM.dtype:
+        raise TypeError(f"grouped_mm: x_NK is {x_NK.dtype} but w_EKM is {w_EKM.dtype}")
+    _check_offsets(offsets_E, w_EKM.shape[0], x_NK)
+    if w_EKM.device != x_NK.device:
+        raise ValueError(f"grouped_mm: w_EKM is on {w_EKM.device} but x_NK on {x_NK.device}")
+
+
+def _check_offsets(offsets_E: Tensor, E: int | None, x_NK: Tensor) -> None:
+    """offsets_E: 1-D int32 (of length E when given) on x's device."""
+    if offsets_E.dim() != 1 or (E is not None and offsets_E.shape[0] != E) or offsets_E.dtype != torch.int32:
+        want = f"({E},)" if E is not None else "(experts,)"
+        raise ValueError(
+            f"grouped_mm: offsets_E must be int32 of shape {want}, got {offsets_E.dtype} {tuple(offsets_E.shape)}"
+        )
+    if offsets_E.device != x_NK.device:
+        raise ValueError(f"grouped_mm: offsets_E is on {offsets_E.device} but x_NK on {x_NK.device}")
+
+
+def kernel_available() -> bool:
+    """True when the compiled CPU grouped GEMM is built (fp32 CPU calls then run it)."""
+    C = _lib.compiled()
+    return C is not None and hasattr(C, "grouped_mm_cpu")
+
+
+def _kernel(t: Tensor):
+    """The compiled module when its CPU grouped GEMM serves this fp32 CPU tensor, else None."""
+    if t.device.type != "cpu" or t.dtype != torch.float32:
+        return None
+    C = _lib.compiled()
+    if C is None or not hasattr(C, "grouped_mm_cpu"):
+        _lib.warn_fallback(t.device)
+        return None
+    return C
+
+
+def _weight_layout(w_EKM: Tensor) -> tuple[Tensor, int, int, int]:
+    """(w, stride_e, stride_k, stride_m) with a unit stride in k or m and a valid BLAS row stride."""
+    _E, K, M = w_EKM.shape
+    se, sk, sm = w_EKM.stride()
+    if sm == 1 and (K <= 1 or sk >= M):
+        return w_EKM, se, max(sk, M, 1), 1
+    if sk == 1 and (M <= 1 or sm >= K):
+        return w_EKM, se, 1, max(sm, K, 1)
+    w_EKM = w_EKM.contiguous()
+    return w_EKM, w_EKM.stride(0), max(M, 1), 1
+
+
+# ----------------------------------------------------------------------------------------------
+# grouped_mm
+
+
+@torch.library.custom_op("k2::grouped_mm", mutates_args=())
+def _grouped_mm(x_NK: Tensor, w_EKM: Tensor, offsets_E: Tensor) -> Tensor:
+    _check(x_NK, w_EKM, offsets_E)
+    C = _kernel(x_NK)
+    if C is None:
+        return torch._grouped_mm(x_NK, w_EKM, offs=offsets_E)
+    E, K, M = w_EKM.shape
+    N = x_NK.shape[0]
+    x_NK = _launch._rows(x_NK)
+    w_EKM, se, sk, sm = _weight_layout(w_EKM)
+    offsets_E = offsets_E.contiguous()
+    y_NM = torch.empty(N, M, dtype=x_NK.dtype)
+    C.grouped_mm_cpu(
+        x_NK.data_ptr(), _launch._row_stride(x_NK) if N else K, w_EKM.data_ptr(), se, sk, sm,
+        offsets_E.data_ptr(), E, N, K, M, y_NM.data_ptr(), max(M, 1), torch.get_num_threads(),
+    )  # fmt: skip
+    return y_NM
+
+
+@_grouped_mm.register_fake
+def _(x_NK, w_EKM, offsets_E):
+    _check(x_NK, w_EKM, offsets_E)
+    return x_NK.new_empty(x_NK.shape[0], w_EKM.shape[2])
+
+
+def _w_is_transposed(w_EKM: Tensor) -> bool:
+    """True when w is a transposed view of [E, M, K] (its gradient is then produced in that layout)."""
+    return w_EKM.stride(-2) == 1 and w_EKM.stride(-1) != 1 and w_EKM.shape[-2] > 1
+
+
+def _grouped_mm_setup_context(ctx, inputs, output):
+    x_NK, w_EKM, offsets_E = inputs
+    ctx.save_for_backward(x_NK, w_EKM, offsets_E)
+
+
+def _grouped_mm_backward(ctx, dy_NM):
+    x_NK, w_EKM, offsets_E = ctx.saved_tensors
+    dx = dw = None
+    if dy_NM is None:
+        return None, None, None
+    if ctx.needs_input_grad[0]:
+        dx = torch.ops.k2.grouped_mm(dy_NM, w_EKM.transpose(-2, -1), offsets_E)
+    if ctx.needs_input_grad[1]:
+        # Written in w's own layout: a parameter stored [E, M, K] and used transposed gets a
+        # contiguous gradient (no copy in AccumulateGrad).
+        trans = _w_is_transposed(w_EKM)
+        dw = torch.ops.k2.grouped_mm_wgrad(x_NK, dy_NM, offsets_E, trans)
+        if trans:
+            dw = dw.transpose(-2, -1)
+    return dx, dw, None
+
+
+_grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup_context)
+
+
+def grouped_mm(x_NK: Tensor, w_EKM: Tensor, offsets_E: Tensor) -> Tensor:
+    """``torch._grouped_mm(x_NK, w_EKM, offs=offsets_E)`` for 2-D x, 3-D w (see the module doc).
+
+    Returns ``y_NM``; differentiable w.r.t. ``x_NK`` and ``w_EKM``.
+    """
+    return _grouped_mm(x_NK, w_EKM, offsets_E)
+
+
+# ----------------------------------------------------------------------------------------------
+# grouped_mm_wgrad
+
+
+@torch.library.custom_op("k2::grouped_mm_wgrad", mutates_args=())
+def _grouped_mm_wgrad(x_NK: Tensor, dy_NM: Tensor, offsets_E: Tensor, trans_out: bool) -> Tensor:
+    """dw[e] = x_e^T @ dy_e, [E, K, M] (``trans_out``: [E, M, K], each block transposed); 0 for empty experts."""
+    _check_wgrad(x_NK, dy_NM, offsets_E)
+    E, (N, K), M = offsets_E.shape[0], x_NK.shape, dy_NM.shape[1]
+    C = _kernel(x_NK)
+    if C is None:
+        dw_EKM = torch._grouped_mm(x_NK.t(), dy_NM, offs=offsets_E)
+        return dw_EKM.transpose(-2, -1).contiguous() if trans_out else dw_EKM
+    x_NK, dy_NM = _launch._rows(x_NK), _launch._rows(dy_NM)
+    offsets_E = offsets_E.contiguous()
+    dw = torch.empty((E, M, K) if trans_out else (E, K, M), dtype=x_NK.dtype)
+    C.grouped_mm_wgrad_cpu(
+        x_NK.data_ptr(), _launch._row_stride(x_NK) if N else K, dy_NM.data_ptr(),
+        _launch._row_stride(dy_NM) if N else M, offsets_E.data_ptr(), E, N, K, M, bool(trans_out),
+        dw.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return dw
+
+
+def _check_wgrad(x_NK: Tensor, dy_NM: Tensor, offsets_E: Tensor) -> None:
+    if x_NK.dim() != 2 or dy_NM.dim() != 2 or x_NK.shape[0] != dy_NM.shape[0]:
+        raise ValueError(
+            f"grouped_mm_wgrad: x_NK and dy_NM must be 2-D with the same rows, got {tuple(x_NK.shape)} "
+            f"and {tuple(dy_NM.shape)}"
+        )
+    if x_NK.dtype != dy_NM.dtype:
+        raise TypeError(f"grouped_mm_wgrad: x_NK is {x_NK.dtype} but dy_NM is {dy_NM.dtype}")
+    _check_offsets(offsets_E, None, x_NK)
+
+
+@_grouped_mm_wgrad.register_fake
+def _(x_NK, dy_NM, offsets_E, trans_out):
+    _check_wgrad(x_NK, dy_NM, offsets_E)
+    E, K, M = offsets_E.shape[0], x_NK.shape[1], dy_NM.shape[1]
+    return x_NK.new_empty((E, M, K) if trans_out else (E, K, M))
+
+
+def grouped_mm_wgrad(x_NK: Tensor, dy_NM: Tensor, offsets_E: Tensor, trans_out: bool = False) -> Tensor:
+    """Per-expert ``x_e^T @ dy_e``: ``torch._grouped_mm(x_NK.t(), dy_NM, offs=offsets_E)``
+    ([E, K, M]; with ``trans_out`` its per-expert transpose, [E, M, K], contiguous)."""
+    return _grouped_mm_wgrad(x_NK, dy_NM, offsets_E, bool(trans_out))
+
+
+def op_names() -> tuple[str, ...]:
+    """The registered op names (for opcheck and docs)."""
+    return ("k2::grouped_mm", "k2::grouped_mm_wgrad")
