@@ -27,7 +27,7 @@ from torch import Tensor
 
 from k2_kernels import _lib
 
-__all__ = ["newton_schulz", "newton_schulz_reference"]
+__all__ = ["kernel_serves", "newton_schulz", "newton_schulz_reference"]
 
 Coeffs = tuple[float, float, float]
 
@@ -95,6 +95,18 @@ def _kernel_fn(device: torch.device, dtype: torch.dtype) -> str | None:
             )
         return None
     return name
+
+
+def kernel_serves(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether a compiled NS kernel runs for tensors of this device and dtype (else the reference)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return dtype == torch.float32 and hasattr(_lib.compiled(), "newton_schulz_cpu") and _lib.has_cpu()
+    if device.type == "cuda":
+        return dtype in (torch.float32, torch.bfloat16) and _lib.has_cuda() and hasattr(
+            _lib.compiled(), "newton_schulz_cuda"
+        )
+    return False
 
 
 def _run(X_BMN: Tensor, coeffs: list[float]) -> Tensor | None:

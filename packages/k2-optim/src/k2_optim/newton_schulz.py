@@ -11,6 +11,11 @@ batch goes through one batched GEMM per product, so 64 experts cost three batche
 per step instead of 192 Python-level matmuls; the a/b/c terms are applied in place on the
 fresh products (fp32) or fused into `baddbmm` (bf16, matching torch.optim.Muon's rounding).
 
+Where k2-kernels has a compiled kernel for the device and dtype (CPU fp32; CUDA bf16 and fp32)
+the iteration runs there (`k2_kernels.newton_schulz_ops`: ssyrk for the symmetric X X^T and
+A A, the polynomial fused into the products); elsewhere, notably CPU bf16 (kept bit-identical
+to torch.optim.Muon), the batched PyTorch code below runs. `backend=` forces either.
+
 Two coefficient schedules ship:
   * "keller"        Keller Jordan's quintic (3.4445, -4.7750, 2.0315), every step; what
                     `torch.optim.Muon` uses. Normalisation X / max(||X||_F, eps).
@@ -26,6 +31,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+try:  # the compiled NS kernels (k2-kernels is a dependency; tolerate an install without it)
+    from k2_kernels.newton_schulz_ops import kernel_serves as _kernel_serves
+    from k2_kernels.newton_schulz_ops import newton_schulz as _ns_kernel
+except ImportError:  # pragma: no cover - depends on the install
+    _kernel_serves = None
+    _ns_kernel = None
 
 __all__ = [
     "KELLER_QUINTIC",
@@ -106,26 +118,38 @@ def newton_schulz(
     schedule: NSSchedule | None = None,
     dtype: torch.dtype = torch.float32,
     eps: float = 1e-7,
+    backend: str = "auto",
 ) -> Tensor:
     """Orthogonalise every trailing [out, in] matrix of `G` (any leading batch shape).
 
     Never writes into `G`: the normalisation is out of place, so a momentum buffer passed
     here (even one already in `dtype`) is left untouched. Returns a tensor of `dtype`
-    with G's shape.
+    with G's shape. `backend`: "auto" (the k2-kernels kernel where one serves the device and
+    dtype, except CPU bf16), "kernel" (always the k2-kernels op, which falls back to its own
+    reference elsewhere) or "torch" (the batched PyTorch iteration here).
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz expects [..., out, in] matrices, got shape {tuple(G.shape)}")
+    if backend not in ("auto", "kernel", "torch"):
+        raise ValueError(f"newton_schulz: backend must be 'auto', 'kernel' or 'torch', got {backend!r}")
     schedule = schedule or resolve_ns_schedule("keller", 5)
     out_dim, in_dim = G.shape[-2], G.shape[-1]
     X_BMN = G.reshape(-1, out_dim, in_dim).to(dtype)
+    if backend == "kernel" and _ns_kernel is None:
+        raise RuntimeError("newton_schulz(backend='kernel') needs k2-kernels (pip install k2-kernels)")
+    use_kernel = backend == "kernel" or (
+        backend == "auto" and _kernel_serves is not None and _kernel_serves(X_BMN.device, X_BMN.dtype)
+    )
     transposed = out_dim > in_dim
-    if transposed:  # iterate on the smaller Gram matrix
+    if transposed and not use_kernel:  # iterate on the smaller Gram matrix (the kernel does it itself)
         X_BMN = X_BMN.mT
     norm_B11 = torch.linalg.vector_norm(X_BMN, dim=(-2, -1), keepdim=True)
     if schedule.eps_mode == "add":
         X_BMN = X_BMN / (norm_B11 * schedule.norm_scale + eps)
     else:
         X_BMN = X_BMN / (norm_B11 * schedule.norm_scale).clamp(min=eps)
+    if use_kernel:
+        return _ns_kernel(X_BMN, schedule.coeffs).reshape(G.shape)
     fused = X_BMN.dtype in (torch.bfloat16, torch.float16)
     for a, b, c in schedule.coeffs:
         A_BMM = torch.bmm(X_BMN, X_BMN.mT)
