@@ -12,11 +12,14 @@ Cases (the parameter sets Muon sees):
 Rows (ratio = ours / anchor, lower is better; targets from issue 3):
   (1) Muon step, k2_optim.Muon with its device default (fp32 NS on CPU, batched by shape)
       vs torch.optim.Muon as shipped (bf16 NS, one matrix at a time)          target <= 0.10
-  (2) NS only, equal precision (fp32): k2_optim.newton_schulz (batched, fused baddbmm)
+  (2) NS only, equal precision (fp32): k2_optim.newton_schulz, which runs the k2-kernels CPU
+      kernel (ssyrk for X X^T and A A, polynomial fused into the products, OpenMP)
       vs a plain PyTorch batched NS (matmul, then elementwise a/b/c)          target <= 0.85
-      (2b) the same in bf16 (informative; fast only on CPUs with AVX512-BF16/AMX)
-  (3) with --device cuda: bf16 NS TFLOP/s, ours vs the plain torch.matmul NS, and the Muon
-      step vs torch.optim.Muon on the GPU; case k2moe adds 64 real-size K2 experts (2048x7168).
+      (2a) the same with k2_optim's batched PyTorch path (backend="torch"), for comparison
+      (2b) bf16 (the PyTorch path; informative, fast only on CPUs with AVX512-BF16/AMX)
+  (3) with --device cuda: bf16 NS TFLOP/s, ours (the k2-kernels CUDA kernel) vs the plain
+      torch.matmul NS; (3a) k2_optim's batched PyTorch path (cuBLAS) vs the same anchor; and the
+      Muon step vs torch.optim.Muon on the GPU; case k2moe adds 64 real-size K2 experts (2048x7168).
 Timings: best of --repeats, ours and anchor interleaved (the 2-core CI machine is shared);
 with --threads 1 the clock is the process CPU time, which other jobs on the cores do not inflate.
 """
@@ -38,6 +41,12 @@ from collections.abc import Callable  # noqa: E402
 import torch  # noqa: E402
 from k2_optim import Muon, newton_schulz, resolve_ns_schedule  # noqa: E402
 from k2_optim.muon import cpu_has_native_bf16, default_ns_dtype  # noqa: E402
+
+try:
+    from k2_kernels.newton_schulz_ops import kernel_serves  # noqa: E402
+except ImportError:  # k2-kernels absent: k2_optim runs its PyTorch path
+    def kernel_serves(device, dtype) -> bool:  # noqa: E306
+        return False
 
 # legend: B batch of matrices, M rows (Gram side), N columns
 
@@ -136,13 +145,14 @@ def muon_step_case(shapes, repeats: int, skip_torch: bool) -> tuple[float, float
     return t_ours, t_auto, t_ref
 
 
-def ns_case(shapes, repeats: int, device: str, dtype: torch.dtype) -> tuple[float, float]:
+def ns_case(shapes, repeats: int, device: str, dtype: torch.dtype, backend: str = "auto") -> tuple[float, float]:
+    """(k2_optim.newton_schulz with `backend`, the plain batched NS) seconds for all shapes."""
     g = torch.Generator().manual_seed(1)
     batches = [torch.randn(n, r, c, generator=g).to(device) for n, r, c in shapes]
     sched = resolve_ns_schedule("keller", 5)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     t_ours, t_plain = interleaved(
-        [lambda: [newton_schulz(b, sched, dtype=dtype) for b in batches],
+        [lambda: [newton_schulz(b, sched, dtype=dtype, backend=backend) for b in batches],
          lambda: [plain_batched_ns(b, dtype=dtype) for b in batches]],
         repeats,
         sync,
@@ -150,14 +160,21 @@ def ns_case(shapes, repeats: int, device: str, dtype: torch.dtype) -> tuple[floa
     return t_ours, t_plain
 
 
+def ns_label(device: str, dtype: torch.dtype) -> str:
+    return "k2-kernels kernel" if kernel_serves(device, dtype) else "PyTorch path: no compiled kernel"
+
+
 def cuda_rows(cases: list[str], repeats: int) -> list[tuple]:
     rows = []
     sync = torch.cuda.synchronize
     for case in cases:
         shapes = case_shapes(case)
-        t_ns, t_plain = ns_case(shapes, max(repeats, 10), "cuda", torch.bfloat16)
         fl = ns_flops(shapes)
-        rows.append((case, f"(3) NS bf16 CUDA ({fl / t_ns / 1e12:.0f} TFLOP/s)",
+        t_ns, t_plain = ns_case(shapes, max(repeats, 10), "cuda", torch.bfloat16)
+        rows.append((case, f"(3) NS bf16 CUDA, {ns_label('cuda', torch.bfloat16)} ({fl / t_ns / 1e12:.0f} TFLOP/s)",
+                     f"plain bf16 NS ({fl / t_plain / 1e12:.0f} TFLOP/s)", t_ns, t_plain, 1.0))
+        t_ns, t_plain = ns_case(shapes, max(repeats, 10), "cuda", torch.bfloat16, backend="torch")
+        rows.append((case, f"(3a) NS bf16 CUDA, k2_optim PyTorch path ({fl / t_ns / 1e12:.0f} TFLOP/s)",
                      f"plain bf16 NS ({fl / t_plain / 1e12:.0f} TFLOP/s)", t_ns, t_plain, 1.0))
         g = torch.Generator(device="cuda").manual_seed(0)
         ours = [torch.nn.Parameter(torch.randn(n, r, c, device="cuda", generator=g)) for n, r, c in shapes]
@@ -214,7 +231,10 @@ def main() -> None:
         rows.append((case, f"(1a) Muon step, ns_dtype='auto' ({auto_dt} NS)", "torch.optim.Muon (bf16 NS)",
                      t_auto, t_ref, 0.10))
         t_ns, t_plain = ns_case(shapes, args.repeats, "cpu", torch.float32)
-        rows.append((case, "(2) NS fp32, batched", "plain batched NS fp32", t_ns, t_plain, 0.85))
+        rows.append((case, f"(2) NS fp32, {ns_label('cpu', torch.float32)}", "plain batched NS fp32", t_ns, t_plain,
+                     0.85))
+        t_ns, t_plain = ns_case(shapes, args.repeats, "cpu", torch.float32, backend="torch")
+        rows.append((case, "(2a) NS fp32, k2_optim PyTorch path", "plain batched NS fp32", t_ns, t_plain, 0.85))
         t_ns, t_plain = ns_case(shapes, args.repeats, "cpu", torch.bfloat16)
         rows.append((case, "(2b) NS bf16, batched", "plain batched NS bf16", t_ns, t_plain, 0.85))
     print_rows(rows)
