@@ -28,7 +28,7 @@ namespace cuda {
 namespace {
 
 constexpr int kTile = 64;       // output tile (both dims)
-constexpr int kBkBf16 = 32;     // K slice per shared-memory tile, bf16
+constexpr int kBkBf16 = 64;     // K slice per shared-memory tile, bf16
 constexpr int kBkF32 = 16;      // K slice, fp32
 constexpr int kPadBf16 = 8;     // row padding (elements): keeps wmma's 32-byte alignment, spreads banks
 constexpr int kStageLd = 20;    // staging row stride (floats), a multiple of 4 as wmma requires
