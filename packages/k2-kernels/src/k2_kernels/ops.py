@@ -1,4 +1,5 @@
-"""The k2 kernels as torch ops: `torch.ops.k2.moe_route`, `moe_permute`, `moe_unpermute`.
+"""The k2 kernels as torch ops: `torch.ops.k2.moe_route`, `moe_permute`, `moe_unpermute`,
+`mla_attention` (defined in `k2_kernels.attention_ops`, re-exported here).
 
 Each op is a `torch.library.custom_op` with a fake (meta) implementation, so it traces under
 `torch.compile`, and autograd where it has a backward. The real implementation dispatches CPU
@@ -18,8 +19,9 @@ import torch
 from torch import Tensor
 
 from k2_kernels import _launch, reference
+from k2_kernels.attention_ops import mla_attention
 
-__all__ = ["moe_permute", "moe_route", "moe_unpermute", "route_weight_backward"]
+__all__ = ["mla_attention", "moe_permute", "moe_route", "moe_unpermute", "route_weight_backward"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,4 +333,7 @@ def moe_unpermute(y_ND: Tensor, row_to_slot_N: Tensor, topk_weight_TK: Tensor) -
 
 def op_names() -> Sequence[str]:
     """The registered op names (for opcheck and docs)."""
-    return ("k2::moe_route", "k2::moe_permute", "k2::moe_unpermute", "k2::moe_unpermute_backward")
+    return (
+        "k2::moe_route", "k2::moe_permute", "k2::moe_unpermute", "k2::moe_unpermute_backward",
+        "k2::mla_attention", "k2::mla_attention_backward",
+    )  # fmt: skip

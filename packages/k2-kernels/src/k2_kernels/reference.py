@@ -9,6 +9,8 @@ G expert groups, N = T * K permuted rows.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -79,3 +81,48 @@ def moe_unpermute(y_ND: Tensor, row_to_slot_N: Tensor, topk_weight_TK: Tensor) -
     out_TD = torch.zeros(T, y_ND.shape[1], dtype=torch.float32, device=y_ND.device)
     out_TD.index_add_(0, row_to_slot_N // K, y_ND.float() * w_N.unsqueeze(1))
     return out_TD.to(y_ND.dtype)
+
+
+def mla_attention(
+    q_THD: Tensor,
+    k_THD: Tensor,
+    v_THV: Tensor,
+    cu_seqlens_B1: Tensor | None,
+    softmax_scale: float,
+    causal: bool = True,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention over packed sequences with materialised scores; the ground truth of the fused kernels.
+
+    q/k [T, H, Dk], v [T, H, Dv]: sequences back to back, sequence b = tokens
+    [cu_seqlens[b], cu_seqlens[b+1]) (None: one sequence). Queries attend only inside their
+    sequence (and, when causal, to keys at or before them). Logits are `softmax_scale * q . k`.
+
+    Returns (out [T, H, Dv] in q's dtype, lse [H, T] fp32 = logsumexp of each query's logits,
+    max_logit [H] fp32 = each head's largest logit over all allowed pairs, -inf if none). Computes
+    in `compute_dtype` (default float32, float64 for float64 inputs); differentiable through out.
+    """
+    T, H, _ = q_THD.shape
+    cdt = compute_dtype or (torch.float64 if q_THD.dtype == torch.float64 else torch.float32)
+    bounds = [0, T] if cu_seqlens_B1 is None else [int(x) for x in cu_seqlens_B1.tolist()]
+    outs, lses = [], []
+    max_logit_H = torch.full((H,), -math.inf, dtype=torch.float32, device=q_THD.device)
+    for s0, s1 in zip(bounds[:-1], bounds[1:], strict=True):
+        if s1 == s0:
+            continue
+        q_HLD = q_THD[s0:s1].to(cdt).transpose(0, 1)
+        k_HLD = k_THD[s0:s1].to(cdt).transpose(0, 1)
+        v_HLV = v_THV[s0:s1].to(cdt).transpose(0, 1)
+        s_HLL = torch.matmul(q_HLD, k_HLD.transpose(-1, -2)) * softmax_scale
+        if causal:
+            L = s1 - s0
+            future = torch.ones(L, L, dtype=torch.bool, device=q_THD.device).triu(1)
+            s_HLL = s_HLL.masked_fill(future, -math.inf)
+        max_logit_H = torch.maximum(max_logit_H, s_HLL.detach().amax(dim=(1, 2)).float())
+        lses.append(torch.logsumexp(s_HLL.detach().float(), dim=-1))
+        p_HLL = torch.softmax(s_HLL, dim=-1)
+        outs.append(torch.matmul(p_HLL, v_HLV).transpose(0, 1))
+    Dv = v_THV.shape[-1]
+    out_THV = torch.cat(outs) if outs else q_THD.new_zeros(0, H, Dv, dtype=cdt)
+    lse_HT = torch.cat(lses, dim=1) if lses else q_THD.new_zeros(H, 0, dtype=torch.float32)
+    return out_THV.to(q_THD.dtype), lse_HT, max_logit_H
