@@ -29,4 +29,37 @@ K2_BINDINGS(grouped_gemm_cpu) {
       },
       "(x, x_row_stride, dy, dy_row_stride, offsets, E, N, K, M, trans_out, dw_out, num_threads): fp32 "
       "dw[e] = x[rows of e]^T @ dy[rows of e] ([E, K, M]; [E, M, K] when trans_out)");
+
+  // Weights as (gate, gate_stride_e, gate_stride_r, up, ..., down, ...): nn.Linear layouts.
+  m.def(
+      "moe_swiglu_experts_cpu",
+      [](uintptr_t x, int64_t xs, uintptr_t wg, int64_t wgse, int64_t wgsr, uintptr_t wu, int64_t wuse, int64_t wusr,
+         uintptr_t wd, int64_t wdse, int64_t wdsr, uintptr_t offs, int64_t E, int64_t N, int64_t D, int64_t I,
+         uintptr_t gu, uintptr_t y, int threads) {
+        SwigluWeights w{ptr<const float>(wg), wgse, wgsr, ptr<const float>(wu), wuse, wusr, ptr<const float>(wd),
+                        wdse, wdsr};
+        SwigluExpertsArgs a{ptr<const float>(x), xs, w, ptr<const int32_t>(offs), E, N, D, I, ptr<float>(gu),
+                            ptr<float>(y), threads};
+        py::gil_scoped_release nogil;
+        moe_swiglu_experts_cpu(a);
+      },
+      "(x, x_row_stride, gate, gate_stride_e, gate_stride_r, up, up_stride_e, up_stride_r, down, down_stride_e, "
+      "down_stride_r, offsets, E, N, D, I, gate_up_out, y_out, num_threads): fused SwiGLU experts, fp32");
+  m.def(
+      "moe_swiglu_experts_backward_cpu",
+      [](uintptr_t dy, int64_t dys, uintptr_t x, int64_t xs, uintptr_t gu, uintptr_t wg, int64_t wgse, int64_t wgsr,
+         uintptr_t wu, int64_t wuse, int64_t wusr, uintptr_t wd, int64_t wdse, int64_t wdsr, uintptr_t offs, int64_t E,
+         int64_t N, int64_t D, int64_t I, uintptr_t dx, uintptr_t dwg, uintptr_t dwu, uintptr_t dwd, uintptr_t h,
+         uintptr_t dgu, int threads) {
+        SwigluWeights w{ptr<const float>(wg), wgse, wgsr, ptr<const float>(wu), wuse, wusr, ptr<const float>(wd),
+                        wdse, wdsr};
+        SwigluExpertsBackwardArgs a{ptr<const float>(dy), dys, ptr<const float>(x), xs, ptr<const float>(gu), w,
+                                    ptr<const int32_t>(offs), E, N, D, I, ptr<float>(dx), ptr<float>(dwg),
+                                    ptr<float>(dwu), ptr<float>(dwd), ptr<float>(h), ptr<float>(dgu), threads};
+        py::gil_scoped_release nogil;
+        moe_swiglu_experts_backward_cpu(a);
+      },
+      "(dy, dy_row_stride, x, x_row_stride, gate_up, gate, gate_stride_e, gate_stride_r, up, ..., down, ..., "
+      "offsets, E, N, D, I, dx_out or 0, d_gate_out or 0, d_up_out, d_down_out, h_scratch [N, I], "
+      "dgu_scratch [N, 2I], num_threads)");
 }

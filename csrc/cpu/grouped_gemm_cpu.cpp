@@ -3,6 +3,7 @@
 #include "k2/grouped_gemm.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -76,6 +77,69 @@ void run_tasks(const std::vector<Task>& tasks, int threads, F&& body) {
   for (int64_t i = 0; i < n; ++i) body(tasks[size_t(i)]);
 }
 
+// e^x without a libm call, so the activation loops vectorise: Cephes' expf (reduction by ln 2, then a
+// degree-6 polynomial), about 1 ulp; inputs are clamped to [-87, 88] (no overflow to inf).
+inline float exp_poly(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(float));
+  return p * scale;
+}
+
+// Compiled for AVX-512, AVX2 and the baseline; the loader picks one (the build uses no -march).
+#define K2_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+// h = silu(gate) * up for R rows of gate_up ([gate | up], row stride 2I), as torch: g / (1 + e^-g) * u.
+K2_SIMD_CLONES void swiglu_rows(const float* gu, int64_t R, int64_t I, float* h) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* __restrict g = gu + r * 2 * I;
+    const float* __restrict u = g + I;
+    float* __restrict hr = h + r * I;
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) hr[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
+  }
+}
+
+// From dh (R x I, contiguous): h = silu(g) u, d up = dh silu(g), d gate = dh u s (1 + g (1 - s)) with
+// s = sigmoid(g) (torch's silu_backward formula).
+K2_SIMD_CLONES void swiglu_backward_rows(const float* gu, const float* dh, int64_t R, int64_t I, float* h,
+                                         float* dgu) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* __restrict g = gu + r * 2 * I;
+    const float* __restrict u = g + I;
+    const float* __restrict d = dh + r * I;
+    float* __restrict hr = h + r * I;
+    float* __restrict dg = dgu + r * 2 * I;
+    float* __restrict du = dg + I;
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) {
+      const float s = 1.0f / (1.0f + exp_poly(-g[i]));
+      const float silu = g[i] * s;
+      hr[i] = silu * u[i];
+      du[i] = d[i] * silu;
+      dg[i] = d[i] * u[i] * s * (1.0f + g[i] * (1.0f - s));
+    }
+  }
+}
+
+// Per-thread scratch that grows as needed and is kept across calls.
+float* scratch(size_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
 }  // namespace
 
 void check_group_offsets(const int32_t* offsets, int64_t E, int64_t N) {
@@ -133,6 +197,112 @@ void grouped_mm_wgrad_cpu(const GroupedWgradArgs& a) {
     sgemm(true, false, t.hi - t.lo, out_cols, n, 1.0f, lhs + r0 * ld_lhs + t.lo, ld_lhs, rhs + r0 * ld_rhs, ld_rhs,
           0.0f, out, out_cols);
   });
+}
+
+}  // namespace k2
+
+namespace k2 {
+
+void moe_swiglu_experts_cpu(const SwigluExpertsArgs& a) {
+  check_group_offsets(a.offsets, a.E, a.N);
+  const int threads = resolve_threads(a.num_threads);
+  const int64_t D = a.D, I = a.I;
+  const SwigluWeights& w = a.w;
+  std::vector<int64_t> rows(size_t(a.E));
+  std::vector<double> unit(size_t(a.E), 1.0);
+  for (int64_t e = 0; e < a.E; ++e) rows[size_t(e)] = rows_of(a.offsets, e);
+  const auto tasks = make_tasks(a.E, rows, unit, threads, 8, false);
+  run_tasks(tasks, threads, [&](const Task& t) {
+    const int64_t r0 = start_of(a.offsets, t.e) + t.lo, R = t.hi - t.lo;
+    const float* x = a.x + r0 * a.x_row_stride;
+    float* gu = a.gate_up + r0 * 2 * I;
+    float* h = scratch(size_t(R * I));
+    sgemm(false, true, R, I, D, 1.0f, x, a.x_row_stride, w.gate + t.e * w.gate_stride_e, w.gate_stride_r, 0.0f, gu,
+          2 * I);
+    sgemm(false, true, R, I, D, 1.0f, x, a.x_row_stride, w.up + t.e * w.up_stride_e, w.up_stride_r, 0.0f, gu + I,
+          2 * I);
+    swiglu_rows(gu, R, I, h);
+    sgemm(false, true, R, D, I, 1.0f, h, I, w.down + t.e * w.down_stride_e, w.down_stride_r, 0.0f, a.y + r0 * D, D);
+  });
+  const int64_t end = a.E ? a.offsets[a.E - 1] : 0;
+  std::memset(a.y + end * D, 0, size_t(a.N - end) * size_t(D) * sizeof(float));
+  std::memset(a.gate_up + end * 2 * I, 0, size_t(a.N - end) * size_t(2 * I) * sizeof(float));
+}
+
+void moe_swiglu_experts_backward_cpu(const SwigluExpertsBackwardArgs& a) {
+  check_group_offsets(a.offsets, a.E, a.N);
+  const int threads = resolve_threads(a.num_threads);
+  const int64_t D = a.D, I = a.I;
+  const SwigluWeights& w = a.w;
+  const bool need_dw = a.dw_gate != nullptr;
+
+  // Rows of expert e from r0 (R of them): dh = dy Wd, the activation's backward, dx = dg Wg + du Wu.
+  auto rows_part = [&](int64_t e, int64_t r0, int64_t R) {
+    float* dh = scratch(size_t(R * I));
+    float* dgu = a.dgu_scratch + r0 * 2 * I;
+    sgemm(false, false, R, I, D, 1.0f, a.dy + r0 * a.dy_row_stride, a.dy_row_stride, w.down + e * w.down_stride_e,
+          w.down_stride_r, 0.0f, dh, I);
+    swiglu_backward_rows(a.gate_up + r0 * 2 * I, dh, R, I, a.h_scratch + r0 * I, dgu);
+    if (a.dx != nullptr) {
+      sgemm(false, false, R, D, I, 1.0f, dgu, 2 * I, w.gate + e * w.gate_stride_e, w.gate_stride_r, 0.0f,
+            a.dx + r0 * D, D);
+      sgemm(false, false, R, D, I, 1.0f, dgu + I, 2 * I, w.up + e * w.up_stride_e, w.up_stride_r, 1.0f,
+            a.dx + r0 * D, D);
+    }
+  };
+  // Output rows [lo, hi) of one weight gradient of expert e (which: 0 down, 1 gate, 2 up), over all its rows.
+  auto weight_part = [&](int64_t e, int which, int64_t lo, int64_t hi) {
+    const int64_t r0 = start_of(a.offsets, e), R = rows_of(a.offsets, e);
+    const int64_t cols = which == 0 ? I : D;
+    float* out = (which == 0 ? a.dw_down : which == 1 ? a.dw_gate : a.dw_up) + e * D * I + lo * cols;
+    if (R == 0) {
+      std::memset(out, 0, size_t(hi - lo) * size_t(cols) * sizeof(float));
+    } else if (which == 0) {  // d down_e = dy_e^T h_e
+      sgemm(true, false, hi - lo, I, R, 1.0f, a.dy + r0 * a.dy_row_stride + lo, a.dy_row_stride,
+            a.h_scratch + r0 * I, I, 0.0f, out, I);
+    } else {  // d gate_e = dg_e^T x_e, d up_e = du_e^T x_e
+      const float* dgu = a.dgu_scratch + r0 * 2 * I + (which == 2 ? I : 0) + lo;
+      sgemm(true, false, hi - lo, D, R, 1.0f, dgu, 2 * I, a.x + r0 * a.x_row_stride, a.x_row_stride, 0.0f, out, D);
+    }
+  };
+
+  std::vector<int64_t> rows(size_t(a.E));
+  std::vector<double> unit(size_t(a.E), 1.0);
+  for (int64_t e = 0; e < a.E; ++e) rows[size_t(e)] = rows_of(a.offsets, e);
+  const auto tasks = make_tasks(a.E, rows, unit, threads, 8, true);
+  std::vector<int64_t> pieces(size_t(a.E), 0);
+  for (const Task& t : tasks) ++pieces[size_t(t.e)];
+  // An expert in one piece does everything in one task (its rows are still in cache for the weight
+  // gradients); the pieces of a split expert do their rows, then its weight gradients are split by
+  // output rows in a second pass.
+  run_tasks(tasks, threads, [&](const Task& t) {
+    const int64_t r0 = start_of(a.offsets, t.e) + t.lo;
+    if (t.hi > t.lo) rows_part(t.e, r0, t.hi - t.lo);
+    if (need_dw && pieces[size_t(t.e)] == 1)
+      for (int which = 0; which < 3; ++which) weight_part(t.e, which, 0, which == 0 ? D : I);
+  });
+  if (need_dw) {
+    std::vector<Task> split;  // Task::lo/hi: output rows; cost: its share of the expert's work
+    for (int64_t e = 0; e < a.E; ++e) {
+      const int64_t p = pieces[size_t(e)];
+      if (p <= 1) continue;
+      for (int which = 0; which < 3; ++which) {
+        const int64_t out_rows = which == 0 ? D : I;
+        const int64_t step = std::max<int64_t>(16, (out_rows / p + 15) / 16 * 16);
+        for (int64_t lo = 0; lo < out_rows; lo += step) {
+          const int64_t hi = std::min(out_rows, lo + step);
+          // e and which packed into Task::e (3 e + which)
+          split.push_back({3 * e + which, lo, hi, double(hi - lo) * double(rows_of(a.offsets, e))});
+        }
+      }
+    }
+    std::stable_sort(split.begin(), split.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+    run_tasks(split, threads, [&](const Task& t) { weight_part(t.e / 3, int(t.e % 3), t.lo, t.hi); });
+  }
+  if (a.dx != nullptr) {
+    const int64_t end = a.E ? a.offsets[a.E - 1] : 0;
+    std::memset(a.dx + end * D, 0, size_t(a.N - end) * size_t(D) * sizeof(float));
+  }
 }
 
 }  // namespace k2

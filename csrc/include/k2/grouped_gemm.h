@@ -50,4 +50,52 @@ void grouped_mm_wgrad_cpu(const GroupedWgradArgs& a);
 // Checks offsets (non-decreasing, within [0, N]); throws std::invalid_argument naming the bad entry.
 void check_group_offsets(const int32_t* offsets, int64_t E, int64_t N);
 
+// ---- fused SwiGLU experts: y_e = (silu(x_e Wg_e^T) * (x_e Wu_e^T)) Wd_e^T --------------------------
+//
+// Shape legend (model names): D hidden, I expert intermediate size. Weights in nn.Linear's [out, in]
+// layout, as the model stores them: gate/up [E, I, D], down [E, D, I]; each expert's matrix has a
+// contiguous inner dimension and the given row and expert strides. One task per (expert, row block)
+// runs the three GEMMs and the activation while the block is in cache.
+
+struct SwigluWeights {
+  const float* gate;       // [E, I, D]
+  int64_t gate_stride_e, gate_stride_r;
+  const float* up;         // [E, I, D]
+  int64_t up_stride_e, up_stride_r;
+  const float* down;       // [E, D, I]
+  int64_t down_stride_e, down_stride_r;
+};
+
+struct SwigluExpertsArgs {
+  const float* x;          // [N, D], row stride x_row_stride
+  int64_t x_row_stride;
+  SwigluWeights w;
+  const int32_t* offsets;  // [E]
+  int64_t E, N, D, I;
+  float* gate_up;          // [N, 2I] out, contiguous: the pre-activations [gate | up], kept for the backward
+  float* y;                // [N, D] out, contiguous; rows >= offsets[E-1] are set to 0
+  int num_threads;
+};
+
+void moe_swiglu_experts_cpu(const SwigluExpertsArgs& a);
+
+struct SwigluExpertsBackwardArgs {
+  const float* dy;         // [N, D], row stride dy_row_stride
+  int64_t dy_row_stride;
+  const float* x;          // [N, D], row stride x_row_stride
+  int64_t x_row_stride;
+  const float* gate_up;    // [N, 2I] contiguous, from the forward
+  SwigluWeights w;
+  const int32_t* offsets;
+  int64_t E, N, D, I;
+  float* dx;               // [N, D] contiguous out, or nullptr
+  float* dw_gate;          // [E, I, D] contiguous out, or nullptr (with dw_up and dw_down)
+  float* dw_up;            // [E, I, D]
+  float* dw_down;          // [E, D, I]
+  float* h_scratch;        // [N, I] scratch: silu(gate) * up
+  float* dgu_scratch;      // [N, 2I] scratch: [d gate | d up]
+  int num_threads;
+};
+
+void moe_swiglu_experts_backward_cpu(const SwigluExpertsBackwardArgs& a);
 }  // namespace k2

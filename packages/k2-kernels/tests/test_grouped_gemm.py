@@ -1,10 +1,12 @@
 """k2::grouped_mm (CPU grouped GEMM over experts) against torch._grouped_mm and a per-expert loop:
 forward and both gradients in fp32 (relative Frobenius error <= 1e-5), for contiguous weights
 and transposed views, empty experts, one expert holding every row (split across threads), odd
-sizes, rows after the last group; the weight-gradient op; opcheck; bad input."""
+sizes, rows after the last group; the weight-gradient op; opcheck; bad input. The fused SwiGLU
+experts op (k2::moe_swiglu_experts) against the same MLP through torch._grouped_mm and F.silu."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from k2_kernels import grouped_gemm_ops as gg
 from torch.library import opcheck
 
@@ -182,3 +184,91 @@ def test_bad_input_names_the_argument():
         gg.grouped_mm(x, torch.randn(2, 7, 4), torch.tensor([4, 10], dtype=torch.int32))
     with pytest.raises(ValueError, match="x_NK"):
         gg.grouped_mm(x[0], w, torch.tensor([4, 10], dtype=torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# fused SwiGLU experts
+
+
+def swiglu_reference(x_ND, gate_EID, up_EID, down_EDI, offsets_E):
+    g = loop_grouped_mm_autograd(x_ND, gate_EID.transpose(-2, -1), offsets_E)
+    u = loop_grouped_mm_autograd(x_ND, up_EID.transpose(-2, -1), offsets_E)
+    return loop_grouped_mm_autograd(F.silu(g) * u, down_EDI.transpose(-2, -1), offsets_E)
+
+
+SWIGLU_CASES = {
+    "skewed": (skewed_counts(16, 700, 10), 64, 32, 0),
+    "empty_experts": ([0, 5, 0, 0, 40, 1, 0, 0], 32, 16, 0),
+    "one_expert_all_rows": ([0, 0, 515, 0], 64, 32, 0),
+    "odd_sizes_rows_after_last_group": ([7, 0, 30, 1, 0, 19], 37, 23, 5),
+}
+
+
+@pytest.mark.parametrize("case", list(SWIGLU_CASES))
+def test_swiglu_experts_forward_and_grads(case, threads):
+    counts, D, I, extra = SWIGLU_CASES[case]
+    E, N = len(counts), sum(counts) + extra
+    offs = offsets_from_counts(counts)
+    gen = torch.Generator().manual_seed(11)
+    x0 = torch.randn(N, D, generator=gen)
+    ws0 = [torch.randn(E, I, D, generator=gen) / D**0.5, torch.randn(E, I, D, generator=gen) / D**0.5,
+           torch.randn(E, D, I, generator=gen) / I**0.5]  # fmt: skip
+    ws0[0][0, 0, 0] = 200.0  # a far-out pre-activation: silu and its gradient saturate
+    dy = torch.randn(N, D, generator=gen)
+    x1, ws1 = x0.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws0]
+    x2, ws2 = x0.double().requires_grad_(), [w.double().requires_grad_() for w in ws0]
+    y1 = gg.moe_swiglu_experts(x1, *ws1, offs)
+    y2 = swiglu_reference(x2, *ws2, offs)
+    assert rel_err(y1, y2) <= TOL
+    if extra:
+        assert torch.count_nonzero(y1[-extra:]) == 0
+    y1.backward(dy)
+    y2.backward(dy.double())
+    assert rel_err(x1.grad, x2.grad) <= TOL
+    for w1, w2 in zip(ws1, ws2):
+        assert w1.grad.is_contiguous() and rel_err(w1.grad, w2.grad) <= TOL
+    if 0 in counts:
+        e = counts.index(0)
+        assert all(torch.count_nonzero(w.grad[e]) == 0 for w in ws1)
+
+
+def test_swiglu_experts_matches_torch_grouped_mm_and_input_grad_only():
+    counts = skewed_counts(8, 256, 12)
+    offs = offsets_from_counts(counts)
+    gen = torch.Generator().manual_seed(13)
+    x0 = torch.randn(256, 64, generator=gen)
+    ws = [torch.randn(8, 32, 64, generator=gen) * 0.1, torch.randn(8, 32, 64, generator=gen) * 0.1,
+          torch.randn(8, 64, 32, generator=gen) * 0.1]  # fmt: skip
+    x1, x2 = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+    y1 = gg.moe_swiglu_experts(x1, *ws, offs)  # weights without grad: the backward skips their GEMMs
+    g = torch._grouped_mm(x2, ws[0].transpose(-2, -1), offs=offs)
+    u = torch._grouped_mm(x2, ws[1].transpose(-2, -1), offs=offs)
+    y2 = torch._grouped_mm(F.silu(g) * u, ws[2].transpose(-2, -1), offs=offs)
+    assert rel_err(y1, y2) <= TOL
+    dy = torch.randn_like(y1)
+    y1.backward(dy)
+    y2.backward(dy)
+    assert rel_err(x1.grad, x2.grad) <= TOL
+
+
+def test_swiglu_experts_opcheck_and_fallback(monkeypatch):
+    offs = offsets_from_counts([3, 0, 9, 4])
+    gen = torch.Generator().manual_seed(14)
+    args = (torch.randn(16, 12, generator=gen, requires_grad=True),
+            torch.randn(4, 8, 12, generator=gen, requires_grad=True),
+            torch.randn(4, 8, 12, generator=gen, requires_grad=True),
+            torch.randn(4, 12, 8, generator=gen, requires_grad=True), offs)  # fmt: skip
+    opcheck(torch.ops.k2.moe_swiglu_experts.default, args)
+    y = gg.moe_swiglu_experts(*args)
+    y.backward(torch.ones_like(y))
+    # Without the kernel: the torch._grouped_mm composition and its own backward formula.
+    monkeypatch.setattr(gg, "_kernel", lambda t: None)
+    opcheck(torch.ops.k2.moe_swiglu_experts.default, args)
+    args2 = tuple(a.detach().clone().requires_grad_() if a.is_floating_point() else a for a in args)
+    y2, _gate_up = torch.ops.k2.moe_swiglu_experts(*args2)
+    assert rel_err(y2, y) <= TOL
+    y2.backward(torch.ones_like(y2))
+    for a, b in zip(args[:4], args2[:4]):
+        assert rel_err(b.grad, a.grad) <= TOL
+    with pytest.raises(ValueError, match="down_EDI"):
+        gg.moe_swiglu_experts(args[0], args[1], args[2], torch.randn(4, 8, 12), offs)

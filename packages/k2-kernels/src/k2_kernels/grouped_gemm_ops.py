@@ -19,11 +19,12 @@ Shape legend: E experts, N grouped rows, K inner size, M output columns.
 
 # No `from __future__ import annotations`: custom_op reads the annotations to infer the schema.
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from k2_kernels import _launch, _lib
 
-__all__ = ["grouped_mm", "grouped_mm_wgrad", "kernel_available", "op_names"]
+__all__ = ["grouped_mm", "grouped_mm_wgrad", "kernel_available", "moe_swiglu_experts", "op_names"]
 
 
 def _check(x_NK: Tensor, w_EKM: Tensor, offsets_E: Tensor) -> None:
@@ -198,6 +199,183 @@ def grouped_mm_wgrad(x_NK: Tensor, dy_NM: Tensor, offsets_E: Tensor, trans_out: 
     return _grouped_mm_wgrad(x_NK, dy_NM, offsets_E, bool(trans_out))
 
 
+# ----------------------------------------------------------------------------------------------
+# fused SwiGLU experts: y = grouped_mm(silu(x Wg^T) * (x Wu^T), Wd^T) in one kernel per direction
+#
+# Legend: D hidden, I expert intermediate size. Weights in nn.Linear's layout, as the model stores
+# them: gate_EID and up_EID [E, I, D], down_EDI [E, D, I].
+
+
+def _check_swiglu(x_ND: Tensor, gate_EID: Tensor, up_EID: Tensor, down_EDI: Tensor, offsets_E: Tensor) -> None:
+    if x_ND.dim() != 2:
+        raise ValueError(f"moe_swiglu_experts: x_ND must be 2-D [rows, hidden], got shape {tuple(x_ND.shape)}")
+    if gate_EID.dim() != 3 or gate_EID.shape[2] != x_ND.shape[1]:
+        raise ValueError(
+            f"moe_swiglu_experts: gate_EID must be [experts, inter, hidden={x_ND.shape[1]}], "
+            f"got {tuple(gate_EID.shape)}"
+        )
+    E, I, D = gate_EID.shape
+    if tuple(up_EID.shape) != (E, I, D):
+        raise ValueError(f"moe_swiglu_experts: up_EID must have gate_EID's shape {(E, I, D)}, got {tuple(up_EID.shape)}")
+    if tuple(down_EDI.shape) != (E, D, I):
+        raise ValueError(f"moe_swiglu_experts: down_EDI must have shape {(E, D, I)}, got {tuple(down_EDI.shape)}")
+    for name, t in (("gate_EID", gate_EID), ("up_EID", up_EID), ("down_EDI", down_EDI)):
+        if t.dtype != x_ND.dtype or t.device != x_ND.device:
+            raise TypeError(
+                f"moe_swiglu_experts: {name} is {t.dtype} on {t.device} but x_ND is {x_ND.dtype} on {x_ND.device}"
+            )
+    _check_offsets(offsets_E, E, x_ND)
+
+
+def _linear_layout(w: Tensor) -> tuple[Tensor, int, int]:
+    """(w, expert stride, row stride) with contiguous rows (each expert a row-major matrix)."""
+    _E, R, C = w.shape
+    if (w.stride(2) == 1 or C <= 1) and (R <= 1 or w.stride(1) >= C):
+        return w, w.stride(0), max(w.stride(1), C, 1)
+    w = w.contiguous()
+    return w, w.stride(0), max(C, 1)
+
+
+def _swiglu_serves(x_ND: Tensor) -> bool:
+    """True when the compiled kernel runs these (fp32 CPU) inputs; says once when it is missing."""
+    return _kernel(x_ND) is not None
+
+
+def _swiglu_torch(x_ND, gate_EID, up_EID, down_EDI, offsets_E, with_gate_up=True) -> tuple[Tensor, Tensor | None]:
+    """The composition the kernel fuses, through torch._grouped_mm: (y_ND, [gate | up]_N2I or None)."""
+    g_NI = torch._grouped_mm(x_ND, gate_EID.transpose(-2, -1), offs=offsets_E)
+    u_NI = torch._grouped_mm(x_ND, up_EID.transpose(-2, -1), offs=offsets_E)
+    y_ND = torch._grouped_mm(F.silu(g_NI) * u_NI, down_EDI.transpose(-2, -1), offs=offsets_E)
+    return y_ND, (torch.cat([g_NI, u_NI], 1) if with_gate_up else None)
+
+
+@torch.library.custom_op("k2::moe_swiglu_experts", mutates_args=())
+def _moe_swiglu_experts(
+    x_ND: Tensor, gate_EID: Tensor, up_EID: Tensor, down_EDI: Tensor, offsets_E: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(y_ND, gate_up_N2I): the expert MLP and its pre-activations [x Wg^T | x Wu^T] (kept for the backward)."""
+    _check_swiglu(x_ND, gate_EID, up_EID, down_EDI, offsets_E)
+    if not _swiglu_serves(x_ND):
+        return _swiglu_torch(x_ND, gate_EID, up_EID, down_EDI, offsets_E)
+    (N, D), (E, I, _D) = x_ND.shape, gate_EID.shape
+    x_ND = _launch._rows(x_ND)
+    wg, wu, wd = _linear_layout(gate_EID), _linear_layout(up_EID), _linear_layout(down_EDI)
+    gate_up_N2I = torch.empty(N, 2 * I, dtype=x_ND.dtype)
+    y_ND = torch.empty(N, D, dtype=x_ND.dtype)
+    _lib.compiled().moe_swiglu_experts_cpu(
+        x_ND.data_ptr(), _launch._row_stride(x_ND) if N else D,
+        wg[0].data_ptr(), wg[1], wg[2], wu[0].data_ptr(), wu[1], wu[2], wd[0].data_ptr(), wd[1], wd[2],
+        offsets_E.contiguous().data_ptr(), E, N, D, I, gate_up_N2I.data_ptr(), y_ND.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return y_ND, gate_up_N2I
+
+
+@_moe_swiglu_experts.register_fake
+def _(x_ND, gate_EID, up_EID, down_EDI, offsets_E):
+    _check_swiglu(x_ND, gate_EID, up_EID, down_EDI, offsets_E)
+    N, D, I = x_ND.shape[0], x_ND.shape[1], gate_EID.shape[1]
+    return x_ND.new_empty(N, D), x_ND.new_empty(N, 2 * I)
+
+
+@torch.library.custom_op("k2::moe_swiglu_experts_backward", mutates_args=())
+def _moe_swiglu_experts_backward(
+    dy_ND: Tensor,
+    x_ND: Tensor,
+    gate_up_N2I: Tensor,
+    gate_EID: Tensor,
+    up_EID: Tensor,
+    down_EDI: Tensor,
+    offsets_E: Tensor,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx_ND, d gate_EID, d up_EID, d down_EDI); outputs not asked for are empty tensors."""
+    (N, D), (E, I, _D) = x_ND.shape, gate_EID.shape
+
+    def empty() -> Tensor:  # one per output: outputs may not alias each other
+        return x_ND.new_empty(0)
+
+    if not _swiglu_serves(x_ND):
+        dy_ND, x_ND = dy_ND.contiguous(), x_ND.contiguous()  # torch._grouped_mm wants 16-byte strides
+        g_NI, u_NI = gate_up_N2I[:, :I], gate_up_N2I[:, I:]
+        s_NI = torch.sigmoid(g_NI)
+        silu_NI = g_NI * s_NI
+        dh_NI = torch._grouped_mm(dy_ND, down_EDI, offs=offsets_E)
+        dg_NI = dh_NI * u_NI * s_NI * (1 + g_NI * (1 - s_NI))
+        du_NI = dh_NI * silu_NI
+        dx, dwg, dwu, dwd = empty(), empty(), empty(), empty()
+        if need_dx:
+            dx = torch._grouped_mm(dg_NI, gate_EID, offs=offsets_E) + torch._grouped_mm(du_NI, up_EID, offs=offsets_E)
+        if need_dw:
+            dwd = torch._grouped_mm(dy_ND.t(), (silu_NI * u_NI).contiguous(), offs=offsets_E)
+            dwg = torch._grouped_mm(dg_NI.t(), x_ND, offs=offsets_E)
+            dwu = torch._grouped_mm(du_NI.t(), x_ND, offs=offsets_E)
+        return dx, dwg, dwu, dwd
+    dy_ND, x_ND = _launch._rows(dy_ND), _launch._rows(x_ND)
+    gate_up_N2I = gate_up_N2I.contiguous()
+    wg, wu, wd = _linear_layout(gate_EID), _linear_layout(up_EID), _linear_layout(down_EDI)
+    dx = torch.empty(N, D, dtype=x_ND.dtype) if need_dx else empty()
+    dwg, dwu, dwd = (torch.empty(E, I, D), torch.empty(E, I, D), torch.empty(E, D, I)) if need_dw else (empty(), empty(), empty())
+    h_NI = torch.empty(N, I, dtype=x_ND.dtype)
+    dgu_N2I = torch.empty(N, 2 * I, dtype=x_ND.dtype)
+    _lib.compiled().moe_swiglu_experts_backward_cpu(
+        dy_ND.data_ptr(), _launch._row_stride(dy_ND) if N else D, x_ND.data_ptr(),
+        _launch._row_stride(x_ND) if N else D, gate_up_N2I.data_ptr(),
+        wg[0].data_ptr(), wg[1], wg[2], wu[0].data_ptr(), wu[1], wu[2], wd[0].data_ptr(), wd[1], wd[2],
+        offsets_E.contiguous().data_ptr(), E, N, D, I, dx.data_ptr() if need_dx else 0,
+        dwg.data_ptr() if need_dw else 0, dwu.data_ptr() if need_dw else 0, dwd.data_ptr() if need_dw else 0,
+        h_NI.data_ptr(), dgu_N2I.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return dx, dwg, dwu, dwd
+
+
+@_moe_swiglu_experts_backward.register_fake
+def _(dy_ND, x_ND, gate_up_N2I, gate_EID, up_EID, down_EDI, offsets_E, need_dx, need_dw):
+    return (
+        x_ND.new_empty(x_ND.shape if need_dx else (0,)),
+        gate_EID.new_empty(gate_EID.shape if need_dw else (0,)),
+        up_EID.new_empty(up_EID.shape if need_dw else (0,)),
+        down_EDI.new_empty(down_EDI.shape if need_dw else (0,)),
+    )
+
+
+def _swiglu_setup_context(ctx, inputs, output):
+    x_ND, gate_EID, up_EID, down_EDI, offsets_E = inputs
+    ctx.save_for_backward(x_ND, output[1], gate_EID, up_EID, down_EDI, offsets_E)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _swiglu_backward(ctx, dy_ND, _d_gate_up):
+    x_ND, gate_up_N2I, gate_EID, up_EID, down_EDI, offsets_E = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[1:4])
+    if dy_ND is None or not (need_dx or need_dw):
+        return None, None, None, None, None
+    dx, dwg, dwu, dwd = torch.ops.k2.moe_swiglu_experts_backward(
+        dy_ND, x_ND, gate_up_N2I, gate_EID, up_EID, down_EDI, offsets_E, need_dx, need_dw
+    )
+    g = ctx.needs_input_grad
+    return (dx if g[0] else None), (dwg if g[1] else None), (dwu if g[2] else None), (dwd if g[3] else None), None
+
+
+_moe_swiglu_experts.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)
+
+
+def moe_swiglu_experts(x_ND: Tensor, gate_EID: Tensor, up_EID: Tensor, down_EDI: Tensor, offsets_E: Tensor) -> Tensor:
+    """The routed experts' SwiGLU MLP over rows grouped by expert, fused per expert:
+    ``grouped_mm(silu(grouped_mm(x, gate^T)) * grouped_mm(x, up^T), down^T)`` with nn.Linear-layout
+    weights (gate/up ``[E, I, D]``, down ``[E, D, I]``). Differentiable w.r.t. x and the weights.
+
+    fp32 CPU tensors run one kernel per direction (the three GEMMs and the activation of an expert
+    while its rows are in cache; the backward writes all weight gradients in their own layouts);
+    anything else runs the same composition through ``torch._grouped_mm``.
+    """
+    if not _swiglu_serves(x_ND):
+        _check_swiglu(x_ND, gate_EID, up_EID, down_EDI, offsets_E)
+        return _swiglu_torch(x_ND, gate_EID, up_EID, down_EDI, offsets_E, with_gate_up=False)[0]
+    return _moe_swiglu_experts(x_ND, gate_EID, up_EID, down_EDI, offsets_E)[0]
+
+
 def op_names() -> tuple[str, ...]:
     """The registered op names (for opcheck and docs)."""
-    return ("k2::grouped_mm", "k2::grouped_mm_wgrad")
+    return ("k2::grouped_mm", "k2::grouped_mm_wgrad", "k2::moe_swiglu_experts", "k2::moe_swiglu_experts_backward")

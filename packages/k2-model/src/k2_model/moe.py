@@ -4,8 +4,9 @@ Shape legend: T tokens (batch * sequence), D hidden size, E routed experts, K ex
 I expert intermediate size, N = T * K permuted rows.
 
 Routed experts are stored as three stacked parameters (`gate_proj [E, I, D]`, `up_proj [E, I, D]`,
-`down_proj [E, D, I]`, each expert's slice in nn.Linear's [out, in] layout) and run through
-`torch._grouped_mm` over tokens grouped by expert: no per-expert Python loop. Each stacked tensor is
+`down_proj [E, D, I]`, each expert's slice in nn.Linear's [out, in] layout) and run over tokens
+grouped by expert by k2-kernels' fused SwiGLU grouped GEMM (`moe_swiglu_experts`: compiled for fp32
+CPU, `torch._grouped_mm` otherwise): no per-expert Python loop. Each stacked tensor is
 one logical matrix per expert, the unit Muon orthogonalises.
 """
 
@@ -22,28 +23,10 @@ try:  # the compiled ops once k2-kernels ships them; the plain-PyTorch reference
 except ImportError:  # pragma: no cover - depends on the k2-kernels build
     from k2_kernels import reference as _kops
 
-try:  # the compiled CPU grouped GEMM (k2-kernels >= the build that ships it)
-    from k2_kernels.grouped_gemm_ops import grouped_mm as _k2_grouped_mm
-    from k2_kernels.grouped_gemm_ops import kernel_available as _k2_grouped_mm_available
+try:  # the fused expert MLP (k2-kernels' grouped GEMM: compiled for fp32 CPU, torch._grouped_mm otherwise)
+    from k2_kernels.grouped_gemm_ops import moe_swiglu_experts as _k2_swiglu_experts
 except ImportError:  # pragma: no cover - depends on the k2-kernels version
-    _k2_grouped_mm = None
-
-    def _k2_grouped_mm_available() -> bool:
-        return False
-
-
-def grouped_mm(x_NK: Tensor, w_EKM: Tensor, offsets_E: Tensor) -> Tensor:
-    """`torch._grouped_mm(x, w, offs=offsets_E)`; fp32 CPU tensors go to k2-kernels' grouped GEMM
-    (experts in parallel, one single-threaded BLAS call each) when it is built."""
-    if (
-        x_NK.device.type == "cpu"
-        and x_NK.dtype == torch.float32
-        and w_EKM.dtype == torch.float32
-        and _k2_grouped_mm is not None
-        and _k2_grouped_mm_available()
-    ):
-        return _k2_grouped_mm(x_NK, w_EKM, offsets_E)
-    return torch._grouped_mm(x_NK, w_EKM, offs=offsets_E)
+    _k2_swiglu_experts = None
 
 
 class MLP(nn.Module):
@@ -99,11 +82,15 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
     def forward(self, x_ND: Tensor, offsets_E: Tensor) -> Tensor:
+        if _k2_swiglu_experts is not None:
+            # fp32 CPU: one kernel per direction runs each expert's three GEMMs and the activation
+            # while its rows are in cache (experts in parallel); elsewhere the composition below.
+            return _k2_swiglu_experts(x_ND, self.gate_proj, self.up_proj, self.down_proj, offsets_E)
         # Separate gate and up GEMMs: concatenating the weights on the fly would copy all experts'
         # weights (and their gradients) every step, which costs more on CPU than the extra launch.
-        gate_NI = grouped_mm(x_ND, self.gate_proj.transpose(-1, -2), offsets_E)
-        up_NI = grouped_mm(x_ND, self.up_proj.transpose(-1, -2), offsets_E)
-        return grouped_mm(F.silu(gate_NI) * up_NI, self.down_proj.transpose(-1, -2), offsets_E)
+        gate_NI = torch._grouped_mm(x_ND, self.gate_proj.transpose(-1, -2), offs=offsets_E)
+        up_NI = torch._grouped_mm(x_ND, self.up_proj.transpose(-1, -2), offs=offsets_E)
+        return torch._grouped_mm(F.silu(gate_NI) * up_NI, self.down_proj.transpose(-1, -2), offs=offsets_E)
 
 
 class MoE(nn.Module):
