@@ -168,12 +168,14 @@ def _layer_forward(model: K2ForCausalLM, layer, h: torch.Tensor, allowed_BSL: to
     cos, sin = rope_cos_sin(model.model.rope_inv_freq, torch.arange(S)[None].expand(B, S), 1.0)
     was = layer.training
     layer.eval()  # no recording from this helper
+    impl, layer.self_attn.attn_impl = layer.self_attn.attn_impl, "sdpa"  # any masked path propagates h
     out = layer(h, cos, sin, allowed_BSL)
     layer.train(was)
+    layer.self_attn.attn_impl = impl
     return out
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager", "fused"])
 def test_max_logits_match_explicit_computation(impl: str) -> None:
     cfg = small_config()
     torch.manual_seed(1)
@@ -305,6 +307,41 @@ def test_blockwise_eager_attention_equals_sdpa_with_masks() -> None:
     assert float((b_logits - a_logits).norm() / a_logits.norm()) < 1e-6
     assert float((b_grad - a_grad).norm() / a_grad.norm()) < 1e-5
     torch.testing.assert_close(b_max, a_max, rtol=1e-6, atol=1e-6)
+
+
+def test_fused_attention_equals_sdpa_with_documents() -> None:
+    """The fused kernel path (packed documents as cu_seqlens) equals SDPA with the document mask
+    in outputs, gradients and recorded max logits; a padding mask makes 'auto' leave it."""
+    from k2_model.model import PackedSegments, fused_attention_available
+
+    cfg = small_config()
+    if not fused_attention_available(torch.device("cpu"), cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim):
+        pytest.skip("compiled k2_kernels attention not available")
+    torch.manual_seed(5)
+    model = K2ForCausalLM(cfg).train()
+    ids = torch.randint(0, cfg.vocab_size, (2, 150))
+    doc = (torch.arange(150) >= 40).long()[None].expand(2, 150).clone()
+    doc[1] = (torch.arange(150) >= 101).long() + (torch.arange(150) >= 120).long()
+    seg = PackedSegments.from_document_ids(doc)
+    assert seg is not None and seg.cu_seqlens.tolist() == [0, 40, 150, 251, 270, 300] and seg.max_seqlen == 110
+    results = {}
+    for impl in ("sdpa", "fused"):
+        model.set_attention_impl(impl)
+        model.zero_grad()
+        model.reset_attention_max_logits()
+        out = model(ids, labels=ids, document_ids=doc)
+        out.loss.backward()
+        grad = model.model.layers[0].self_attn.q_b_proj.weight.grad.clone()
+        results[impl] = (out.logits.detach(), grad, model.attention_max_logits())
+    (a_logits, a_grad, a_max), (b_logits, b_grad, b_max) = results["sdpa"], results["fused"]
+    assert float((b_logits - a_logits).norm() / a_logits.norm()) < 1e-5
+    assert float((b_grad - a_grad).norm() / a_grad.norm()) < 1e-5
+    torch.testing.assert_close(b_max, a_max, rtol=1e-5, atol=1e-5)
+    # an id that returns after another document is not a set of runs: no packed form
+    assert PackedSegments.from_document_ids(torch.tensor([[0, 0, 1, 1, 0]])) is None
+    model.set_attention_impl("fused")
+    with pytest.raises(ValueError, match="padding mask"):
+        model(ids, attention_mask=torch.ones_like(ids))
 
 
 def _dist_worker(rank: int, world: int, init_file: str, out_file: str) -> None:

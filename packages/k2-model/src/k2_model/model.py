@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from k2_kernels import _lib as _klib
+from k2_kernels import ops as _kops
 from torch import Tensor, nn
 
 from k2_model.config import K2Config
@@ -66,26 +68,39 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.C)
         self.kv_b_proj = nn.Linear(self.C, H * (self.P + self.V), bias=False)
         self.o_proj = nn.Linear(H * self.V, D, bias=bias)
-        # "sdpa": fused attention + a no-grad score pass for max logits; "eager": explicit softmax
-        # whose score tensor gives the max logits for free; "auto": eager when training on CPU
-        # (measured faster there, see the README), sdpa otherwise.
+        # "fused": k2_kernels.ops.mla_attention, which returns the max logits with the output
+        # (no score matrix); "sdpa": SDPA + a no-grad score pass for max logits; "eager": explicit
+        # softmax whose score tensor gives the max logits. "auto": fused where a compiled kernel
+        # serves the device and the mask is causal-within-documents; otherwise eager when
+        # training on CPU (measured faster there), sdpa elsewhere.
         self.attn_impl = "auto"
         self.register_buffer("max_logits_H", torch.full((H,), -math.inf), persistent=False)
 
-    def forward(self, x_BSD: Tensor, cos_BSR2: Tensor, sin_BSR2: Tensor, mask_BSL: Tensor | None) -> Tensor:
+    def forward(
+        self,
+        x_BSD: Tensor,
+        cos_BSR2: Tensor,
+        sin_BSR2: Tensor,
+        mask_BSL: Tensor | None,
+        segments: PackedSegments | None = None,
+    ) -> Tensor:
         B, S, _ = x_BSD.shape
         H, P, R, V = self.num_heads, self.P, self.R, self.V
         if self.config.q_lora_rank is None:
             q_BSHDh = self.q_proj(x_BSD).view(B, S, H, P + R)
         else:
             q_BSHDh = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSD))).view(B, S, H, P + R)
-        q_BHSDh = q_BSHDh.transpose(1, 2)
-        q_nope_BHSP, q_rope_BHSR = q_BHSDh.split([P, R], dim=-1)
-
         ckv_BSCR = self.kv_a_proj_with_mqa(x_BSD)
         c_BSC, k_rope_BSR = ckv_BSCR.split([self.C, R], dim=-1)
-        kv_BSH = self.kv_b_proj(self.kv_a_layernorm(c_BSC)).view(B, S, H, P + V).transpose(1, 2)
-        k_nope_BHSP, v_BHSV = kv_BSH.split([P, V], dim=-1)
+        kv_BSHX = self.kv_b_proj(self.kv_a_layernorm(c_BSC)).view(B, S, H, P + V)
+
+        impl = self._resolve_impl(x_BSD, mask_BSL, segments)
+        if impl == "fused":
+            return self._fused_attention(q_BSHDh, kv_BSHX, k_rope_BSR, cos_BSR2, sin_BSR2, mask_BSL, segments)
+
+        q_BHSDh = q_BSHDh.transpose(1, 2)
+        q_nope_BHSP, q_rope_BHSR = q_BHSDh.split([P, R], dim=-1)
+        k_nope_BHSP, v_BHSV = kv_BSHX.transpose(1, 2).split([P, V], dim=-1)
 
         q_rope_BHSR = apply_rope_interleaved(q_rope_BHSR, cos_BSR2.unsqueeze(1), sin_BSR2.unsqueeze(1))
         k_rope_B1SR = apply_rope_interleaved(k_rope_BSR, cos_BSR2, sin_BSR2).unsqueeze(1)
@@ -94,9 +109,6 @@ class MLAttention(nn.Module):
         k_BHSDh = torch.cat((k_nope_BHSP, k_rope_B1SR.expand(B, H, S, R)), dim=-1)
         mask_B1SL = None if mask_BSL is None else mask_BSL.unsqueeze(1)
 
-        impl = self.attn_impl
-        if impl == "auto":
-            impl = "eager" if self.training and x_BSD.device.type == "cpu" else "sdpa"
         if impl == "eager":
             o_BHSV = self._eager_attention(q_BHSDh, k_BHSDh, v_BHSV, mask_B1SL)
         else:
@@ -114,6 +126,49 @@ class MLAttention(nn.Module):
                     q_BHSDh, k_BHSDh, v_BHSV, attn_mask=mask_B1SL, scale=self.softmax_scale
                 )
         return self.o_proj(o_BHSV.transpose(1, 2).reshape(B, S, H * V))
+
+    def _resolve_impl(self, x_BSD: Tensor, mask_BSL: Tensor | None, segments: PackedSegments | None) -> str:
+        impl = self.attn_impl
+        fusable = mask_BSL is None or segments is not None
+        if impl == "fused" and not fusable:
+            raise ValueError(
+                "attention impl 'fused' handles causal attention within packed documents only; this "
+                "batch has a padding mask (use impl 'auto', 'sdpa' or 'eager')"
+            )
+        if impl == "auto":
+            if fusable and fused_attention_available(x_BSD.device, self.P + self.R, self.V):
+                return "fused"
+            return "eager" if self.training and x_BSD.device.type == "cpu" else "sdpa"
+        return impl
+
+    def _fused_attention(
+        self,
+        q_BSHDh: Tensor,
+        kv_BSHX: Tensor,
+        k_rope_BSR: Tensor,
+        cos_BSR2: Tensor,
+        sin_BSR2: Tensor,
+        mask_BSL: Tensor | None,
+        segments: PackedSegments | None,
+    ) -> Tensor:
+        """Tokens as one packed [T, H, *] batch through the fused kernel, which returns each head's
+        max logit with the output (no score matrix, memory linear in S)."""
+        B, S = q_BSHDh.shape[:2]
+        H, P, R, V = self.num_heads, self.P, self.R, self.V
+        T = B * S
+        q_rope_BSHR = apply_rope_interleaved(q_BSHDh[..., P:], cos_BSR2.unsqueeze(2), sin_BSR2.unsqueeze(2))
+        k_rope_BS1R = apply_rope_interleaved(k_rope_BSR, cos_BSR2, sin_BSR2).unsqueeze(2)
+        q_THDh = torch.cat((q_BSHDh[..., :P], q_rope_BSHR), dim=-1).view(T, H, P + R)
+        k_THDh = torch.cat((kv_BSHX[..., :P], k_rope_BS1R.expand(B, S, H, R)), dim=-1).view(T, H, P + R)
+        v_THV = kv_BSHX[..., P:].reshape(T, H, V)
+        if segments is None:  # plain causal: each row of the batch is one sequence
+            segments = PackedSegments.rows(B, S, q_BSHDh.device)
+        o_THV, _, max_logit_H = _kops.mla_attention(
+            q_THDh, k_THDh, v_THV, segments.cu_seqlens, segments.max_seqlen, self.softmax_scale, causal=True
+        )
+        if self.training:
+            self._record_max_logits(max_logit_H.detach().view(1, H, 1, 1))
+        return self.o_proj(o_THV.reshape(B, S, H * V))
 
     def _eager_attention(
         self, q_BHSDh: Tensor, k_BHSDh: Tensor, v_BHSV: Tensor, mask_B1SL: Tensor | None
@@ -154,6 +209,46 @@ class MLAttention(nn.Module):
         torch.maximum(self.max_logits_H, m_H.to(self.max_logits_H.device), out=self.max_logits_H)
 
 
+def fused_attention_available(device: torch.device, Dk: int, Dv: int) -> bool:
+    """A compiled k2_kernels attention kernel serves this device and these head dims."""
+    C = _klib.compiled()
+    if device.type == "cpu":
+        return _klib.has_cpu() and hasattr(C, "mla_attention_fwd_cpu")
+    if device.type == "cuda" and _klib.has_cuda() and hasattr(C, "mla_attention_fwd_cuda"):
+        return [Dk, Dv] in [list(p) for p in getattr(C, "cuda_attention_head_dims", ())]
+    return False
+
+
+@dataclass
+class PackedSegments:
+    """The batch as packed sequences for the fused kernel: `cu_seqlens` (int32 [n + 1]) over the
+    flattened B * S tokens, each sequence one document of one row (causal inside it)."""
+
+    cu_seqlens: Tensor
+    max_seqlen: int
+
+    @staticmethod
+    def rows(B: int, S: int, device: torch.device) -> PackedSegments:
+        return PackedSegments(torch.arange(0, B * S + 1, S, dtype=torch.int32, device=device), S)
+
+    @staticmethod
+    def from_document_ids(document_ids_BS: Tensor) -> PackedSegments | None:
+        """Documents as contiguous runs of equal ids in each row; None when an id reappears after
+        another (the mask then is not a set of runs and the masked paths handle it)."""
+        B, S = document_ids_BS.shape
+        doc_T = document_ids_BS.reshape(-1)
+        starts_T = torch.ones_like(doc_T, dtype=torch.bool)
+        starts_T[1:] = doc_T[1:] != doc_T[:-1]
+        starts_T[::S] = True  # every row starts a sequence
+        idx = starts_T.nonzero().flatten()
+        # runs must be distinct documents within their row (no id returning after another)
+        run_ids_B = [document_ids_BS[b][starts_T.view(B, S)[b]] for b in range(B)]
+        if any(int(r.unique().numel()) != int(r.numel()) for r in run_ids_B):
+            return None
+        cu = torch.cat((idx, idx.new_tensor([B * S]))).to(torch.int32)
+        return PackedSegments(cu, int((cu[1:] - cu[:-1]).max()))
+
+
 def _causal(S: int, device: torch.device) -> Tensor:
     return torch.ones(S, S, dtype=torch.bool, device=device).tril()
 
@@ -176,8 +271,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, mask_BSL: Tensor | None) -> Tensor:
-        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos, sin, mask_BSL)
+    def forward(
+        self, x_BSD: Tensor, cos: Tensor, sin: Tensor, mask_BSL: Tensor | None, segments: PackedSegments | None = None
+    ) -> Tensor:
+        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos, sin, mask_BSL, segments)
         return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
 
 
@@ -209,9 +306,14 @@ class K2Model(nn.Module):
             position_ids_BS = torch.arange(S, device=device).unsqueeze(0).expand(B, S)
         cos, sin = rope_cos_sin(self.rope_inv_freq, position_ids_BS, self.rope_attention_factor)
         mask_BSL = build_attention_mask(S, device, attention_mask_BS, document_ids_BS)
+        # the fused kernel takes causal-within-documents as packed sequences; padding masks are
+        # not that shape, so those batches take the masked paths
+        segments = None
+        if document_ids_BS is not None and attention_mask_BS is None:
+            segments = PackedSegments.from_document_ids(document_ids_BS)
         h_BSD = self.embed_tokens(input_ids_BS)
         for layer in self.layers:
-            h_BSD = layer(h_BSD, cos, sin, mask_BSL)
+            h_BSD = layer(h_BSD, cos, sin, mask_BSL, segments)
         return self.norm(h_BSD)
 
 
@@ -293,8 +395,8 @@ class K2ForCausalLM(nn.Module):
                 m.max_logits_H.fill_(-math.inf)
 
     def set_attention_impl(self, impl: str) -> None:
-        if impl not in ("auto", "sdpa", "eager"):
-            raise ValueError(f"attention impl must be 'auto', 'sdpa' or 'eager', got {impl!r}")
+        if impl not in ("auto", "fused", "sdpa", "eager"):
+            raise ValueError(f"attention impl must be 'auto', 'fused', 'sdpa' or 'eager', got {impl!r}")
         for m in self.modules():
             if isinstance(m, MLAttention):
                 m.attn_impl = impl
