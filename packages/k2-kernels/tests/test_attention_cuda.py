@@ -157,6 +157,16 @@ def test_document_boundaries(dims, dtype):
             assert not torch.equal(changed, out[t:160] if causal else out[70:160])
 
 
+def poison_allocator_cache() -> None:
+    """Fill blocks of both caching-allocator pools with NaN and free them: the small pool (<= 1 MB
+    requests, 2 MB segments) and the large one, so that the next torch.empty reuses NaN memory."""
+    torch.cuda.synchronize()
+    sizes = [1 << 18] * 64 + [1 << 20] * 16 + [64 << 20]  # fp32 elements: 1 MB, 4 MB, 256 MB
+    bufs = [torch.full((n,), float("nan"), device="cuda") for n in sizes]
+    torch.cuda.synchronize()
+    del bufs
+
+
 def test_every_element_written():
     """Outputs and gradients come from the caching allocator, poisoned with NaN first: any element
     a kernel fails to write stays NaN (the inputs give finite results everywhere)."""
@@ -171,8 +181,7 @@ def test_every_element_written():
         g = torch.randn(sum(lens), 4, Dv, device="cuda")
         for causal in (True, False):
             torch.cuda.synchronize()
-            poison = torch.full((64 << 20,), float("nan"), device="cuda")  # 256 MB back to the cache
-            del poison
+            poison_allocator_cache()
             got = run(ops.mla_attention, q, k, v, cu, causal, g)
             torch.cuda.synchronize()
             for name, t in zip(("out", "lse", "max_logit", "dq", "dk", "dv"), got, strict=True):
