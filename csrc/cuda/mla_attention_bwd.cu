@@ -20,8 +20,7 @@
 //     P and scale * dS are rounded to bf16 as tensor-core inputs, as in FlashAttention.
 //   - fp32 inputs, other head dims and unaligned pointers: an exact SIMT kernel (fp32 FMA), BN =
 //     BM = 32, each warp owns 8 keys and a lane one query of the step.
-// Next steps: wgmma (dV/dK as 64-row warpgroup products), ldmatrix(.trans) instead of the paired
-// 16-bit loads of transposed fragments, a second query-tile stage (cp.async overlap), dK in
+// Next steps: wgmma (dV/dK as 64-row warpgroup products), ldmatrix.x4 for pairs of B fragments, a second query-tile stage (cp.async overlap), dK in
 // registers with 8 warps, and a deterministic dq (per-key-tile partials, then a reduction).
 #include <climits>
 #include <cmath>

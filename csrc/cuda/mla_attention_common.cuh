@@ -111,6 +111,60 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Fragment loads from shared memory. K2_ATTN_LDMATRIX=1 (default): ldmatrix(.trans), one
+// instruction per fragment; 0: the same fragments from 32-bit and paired 16-bit loads (the
+// first version; kept to rule ldmatrix out when a result looks wrong on a GPU). Either way a
+// fragment covers 8 x 8 blocks whose rows start 16-byte aligned (ld and column offsets are
+// multiples of 8 elements). ldmatrix: lanes 8j..8j+7 address the rows of block j; lane l
+// receives block j's row l / 4, columns 2 (l % 4) and + 1 in register j (.trans: column l / 4,
+// rows 2 (l % 4) and + 1), the layout of the fragment tables above.
+#ifndef K2_ATTN_LDMATRIX
+#define K2_ATTN_LDMATRIX 1
+#endif
+
+#if K2_ATTN_LDMATRIX
+__device__ __forceinline__ unsigned smem_addr(const __nv_bfloat16* p) { return unsigned(__cvta_generic_to_shared(p)); }
+
+// A fragment of rows [r0, r0 + 16) x cols [c0, c0 + 16) of a row-major shared matrix (ld elements a row):
+// blocks (rows, cols) = (r0, c0), (r0 + 8, c0), (r0, c0 + 8), (r0 + 8, c0 + 8).
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const __nv_bfloat16* s, int ld, int r0, int c0, int g,
+                                       int t) {
+  const int lane = 4 * g + t, i = lane & 7, j = lane >> 3;
+  const unsigned addr = smem_addr(s + (r0 + i + (j & 1) * 8) * ld + c0 + (j >> 1) * 8);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(addr));
+}
+
+// A fragment of A = M^T where M is a row-major shared matrix: A[m][k] = M[c0 + k][r0 + m]; blocks of
+// M (rows, cols) = (c0, r0), (c0, r0 + 8), (c0 + 8, r0), (c0 + 8, r0 + 8), transposed.
+__device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], const __nv_bfloat16* s, int ld, int r0, int c0, int g,
+                                             int t) {
+  const int lane = 4 * g + t, i = lane & 7, j = lane >> 3;
+  const unsigned addr = smem_addr(s + (c0 + i + (j >> 1) * 8) * ld + r0 + (j & 1) * 8);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(addr));
+}
+
+// B fragment (k in [k0, k0 + 16), n in [n0, n0 + 8)) with B[k][n] = M[n][k]: rows of M are n,
+// contiguous in k (K in Q K^T); blocks (n0, k0), (n0, k0 + 8). Lanes 16..31 repeat 0..15's
+// addresses (x2 reads only those of lanes 0..15).
+__device__ __forceinline__ void load_b(uint32_t& b0, uint32_t& b1, const __nv_bfloat16* s, int ld, int n0, int k0,
+                                       int g, int t) {
+  const int lane = 4 * g + t, i = lane & 7, j = (lane >> 3) & 1;
+  const unsigned addr = smem_addr(s + (n0 + i) * ld + k0 + j * 8);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(b0), "=r"(b1) : "r"(addr));
+}
+
+// B fragment with B[k][n] = M[k][n]: rows of M are k (V in P V); blocks (k0, n0), (k0 + 8, n0), transposed.
+__device__ __forceinline__ void load_b_trans(uint32_t& b0, uint32_t& b1, const __nv_bfloat16* s, int ld, int n0,
+                                             int k0, int g, int t) {
+  const int lane = 4 * g + t, i = lane & 7, j = (lane >> 3) & 1;
+  const unsigned addr = smem_addr(s + (k0 + i + j * 8) * ld + n0);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(b0), "=r"(b1) : "r"(addr));
+}
+#else
 // A fragment of rows [r0, r0 + 16) x cols [c0, c0 + 16) of a row-major shared matrix (ld elements a row).
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const __nv_bfloat16* s, int ld, int r0, int c0, int g,
                                        int t) {
@@ -147,6 +201,8 @@ __device__ __forceinline__ void load_b_trans(uint32_t& b0, uint32_t& b1, const _
   b0 = pack_u16(p, p + ld);
   b1 = pack_u16(p + 8 * ld, p + 9 * ld);
 }
+
+#endif  // K2_ATTN_LDMATRIX
 
 // ---- asynchronous global -> shared copies (16 bytes, zero-filled when !valid) -----------------
 

@@ -20,7 +20,7 @@
 //     exact SIMT kernel, fp32 FMA throughout (no tf32), BM = BN = 32, each warp owns 8 query rows
 //     and a lane one key of the tile (S) or up to 8 value columns (O).
 // Next steps (speed, not correctness): wgmma with a warpgroup per 64 rows and TMA loads, two K/V
-// stages, ldmatrix for the fragment loads, exp2 with the scale folded in, and an fp32 path on
+// stages, ldmatrix.x4 for pairs of B fragments, exp2 with the scale folded in, and an fp32 path on
 // 3xTF32 if the fp32 forward ever matters.
 #include <climits>
 #include <cmath>
