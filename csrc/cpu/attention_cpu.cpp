@@ -15,6 +15,7 @@
 
 #include "k2/attention.h"
 #include "k2/blas.h"
+#include "k2/threads.h"
 
 namespace k2 {
 namespace {
@@ -174,7 +175,7 @@ void mla_attention_fwd_cpu(const AttentionArgs& a) {
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
   const int64_t n_items = int64_t(items.size());
 
-#pragma omp parallel
+#pragma omp parallel num_threads(num_threads())
   {
     std::vector<float> S(kFQ * kFK), acc(kFQ * Dv), m(kFQ), l(kFQ);
     std::vector<float> head_max(H, kNegInf);
@@ -237,7 +238,7 @@ void mla_attention_bwd_cpu(const AttentionBackwardArgs& a) {
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
   const int64_t n_items = int64_t(items.size());
 
-#pragma omp parallel
+#pragma omp parallel num_threads(num_threads())
   {
     std::vector<float> P(kBQ * kBK), dP(kBQ * kBK), delta;
 #pragma omp for schedule(dynamic, 1)

@@ -91,6 +91,7 @@ def _mla_attention(
     )  # fmt: skip
     C = _lib.compiled()
     if backend == "cpu":
+        C.set_num_threads(torch.get_num_threads())  # torch.set_num_threads governs the kernel too
         C.mla_attention_fwd_cpu(*args)
     else:
         C.mla_attention_fwd_cuda(*_stream(q), *args)
@@ -132,6 +133,7 @@ def _mla_attention_backward(
     )  # fmt: skip
     C = _lib.compiled()
     if backend == "cpu":
+        C.set_num_threads(torch.get_num_threads())
         C.mla_attention_bwd_cpu(*args)
     else:
         ws = torch.empty(C.mla_attention_bwd_workspace_bytes(T, H, Dk), dtype=torch.uint8, device=q.device)
