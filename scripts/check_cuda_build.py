@@ -31,6 +31,9 @@ FLAG_COMPRESSED = 0x2000 | 0x8000  # either bit: payload compressed (names not g
 KERNELS = (
     "route_kernel", "hist_kernel", "scan_kernel", "place_kernel", "gather_kernel", "unpermute_kernel",
     "unpermute_backward_kernel",
+    # MLA attention (csrc/cuda/mla_attention_*.cu)
+    "fwd_mma_kernel", "bwd_mma_kernel", "fwd_simt_kernel", "bwd_simt_kernel", "delta_kernel", "convert_kernel",
+    "fill_kernel",
 )
 
 

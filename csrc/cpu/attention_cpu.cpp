@@ -141,7 +141,7 @@ void validate(const AttentionArgs& a) {
   K2_CHECK(a.Dk >= 1 && a.Dv >= 1, "mla_attention: head dims must be >= 1");
   K2_CHECK(a.max_seqlen >= 0, "mla_attention: max_seqlen must be >= 0");
   K2_CHECK(a.T == 0 || (a.q && a.k && a.v && a.out && a.lse), "mla_attention: null tensor pointer");
-  K2_CHECK(a.max_logit != nullptr && a.cu_seqlens != nullptr, "mla_attention: null max_logit/cu_seqlens pointer");
+  K2_CHECK(a.cu_seqlens != nullptr, "mla_attention: null cu_seqlens pointer");
 }
 
 void validate(const AttentionBackwardArgs& a) {
@@ -163,7 +163,7 @@ void mla_attention_fwd_cpu(const AttentionArgs& a) {
   const float* k = static_cast<const float*>(a.k);
   const float* v = static_cast<const float*>(a.v);
   float* out = static_cast<float*>(a.out);
-  for (int64_t h = 0; h < H; ++h) a.max_logit[h] = kNegInf;
+  for (int64_t h = 0; a.max_logit != nullptr && h < H; ++h) a.max_logit[h] = kNegInf;
 
   std::vector<Item> items;
   for (int64_t b = 0; b < a.B; ++b) {
@@ -212,7 +212,7 @@ void mla_attention_fwd_cpu(const AttentionArgs& a) {
       }
     }
 #pragma omp critical(k2_attention_max)
-    for (int64_t h = 0; h < H; ++h) a.max_logit[h] = std::fmax(a.max_logit[h], head_max[h]);
+    for (int64_t h = 0; a.max_logit != nullptr && h < H; ++h) a.max_logit[h] = std::fmax(a.max_logit[h], head_max[h]);
   }
 }
 

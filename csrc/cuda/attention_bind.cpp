@@ -20,6 +20,7 @@ K2_BINDINGS(attention_cuda) {
   for (int dk = 16; dk <= 256; dk += 16)
     for (int dv = 16; dv <= 256; dv += 16) dims.emplace_back(dk, dv);
   m.attr("cuda_attention_head_dims") = dims;
+  m.attr("cuda_attention_max_logit_optional") = true;  // max_logit = 0 skips it (benchmarks/attention.py)
   m.attr("cuda_attention_mma_head_dims") = std::vector<std::pair<int, int>>{{192, 128}, {128, 128}, {64, 64}};
 
   m.def(

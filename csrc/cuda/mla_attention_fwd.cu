@@ -183,7 +183,8 @@ __global__ void __launch_bounds__(kThreads)
       if (t == 0) lse[h * T + tok] = l > 0.0f ? m_r[r] + logf(l) : -INFINITY;
     }
   }
-  block_max_to_global(fmaxf(m_r[0], m_r[1]), red, max_logit + h);
+  // max_logit == nullptr (uniform across the block): the caller measures the output's cost
+  if (max_logit != nullptr) block_max_to_global(fmaxf(m_r[0], m_r[1]), red, max_logit + h);
 }
 
 // ---- exact SIMT kernel (fp32 arithmetic, any head dims) --------------------------------------
@@ -301,7 +302,7 @@ __global__ void __launch_bounds__(kThreads)
       if (lane == 0) lse[h * T + tok] = l > 0.0f ? m_r[i] + logf(l) : -INFINITY;
     }
   }
-  block_max_to_global(mx, red, max_logit + h);
+  if (max_logit != nullptr) block_max_to_global(mx, red, max_logit + h);
 }
 
 template <int DK, int DV>
@@ -330,8 +331,10 @@ void mla_attention_fwd_cuda(const AttentionArgs& a, int device, uintptr_t stream
   if (a.H == 0) return;
   set_device(device);
   const cudaStream_t s = as_stream(stream);
-  fill_kernel<<<grid_1d(a.H, 256), 256, 0, s>>>(a.max_logit, a.H, -INFINITY);
-  check(cudaGetLastError(), "mla_attention_fwd: max_logit fill launch");
+  if (a.max_logit != nullptr) {
+    fill_kernel<<<grid_1d(a.H, 256), 256, 0, s>>>(a.max_logit, a.H, -INFINITY);
+    check(cudaGetLastError(), "mla_attention_fwd: max_logit fill launch");
+  }
   if (a.T == 0 || a.B == 0 || a.max_seqlen <= 0) return;
 
   const bool mma = a.dtype == DType::kBFloat16 && is_mma_dims(a.Dk, a.Dv) && aligned16(a.q) && aligned16(a.k) &&

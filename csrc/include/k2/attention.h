@@ -29,7 +29,8 @@ struct AttentionArgs {
   void* out;                  // [T, H, Dv] out
   float* lse;                 // [H, T] out: log-sum-exp of each row's logits (natural log)
   float* max_logit;           // [H] out: max logit of head h over every (query, key) pair that
-                              // may attend, over the whole batch; -inf when there is none
+                              // may attend, over the whole batch; -inf when there is none.
+                              // nullptr: not computed (to measure what the output costs)
 };
 
 struct AttentionBackwardArgs {

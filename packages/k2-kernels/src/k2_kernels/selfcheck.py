@@ -109,8 +109,36 @@ def check(device: str, quick: bool = False) -> list[str]:
                 failures.append(f"moe_unpermute grad y {tag} {dtype}")
             if not torch.allclose(wt_d.grad.cpu(), wt.grad, atol=1e-3 if dtype != torch.float32 else 1e-4, rtol=tol):
                 failures.append(f"moe_unpermute grad w {tag} {dtype}")
+    failures += attention_mismatches(device, gen)
     if device == "cuda":
         torch.cuda.synchronize()
+    return failures
+
+
+def attention_mismatches(device: str, gen: torch.Generator) -> list[str]:
+    """mla_attention forward + backward on packed documents vs the float64 reference (small
+    shapes, so the sanitizer run stays short): fp32 within 1e-5, bf16 within 3e-2 (relative)."""
+    failures = []
+    cu = torch.tensor([0, 37, 107, 108], dtype=torch.int32)
+    T = int(cu[-1])
+    for (Dk, Dv), dtype in (((192, 128), torch.bfloat16), ((192, 128), torch.float32), ((64, 64), torch.bfloat16)):
+        tag = f"mla_attention Dk={Dk} Dv={Dv} {dtype}"
+        q, k = (torch.randn(T, 2, Dk, generator=gen) for _ in range(2))
+        v, g = (torch.randn(T, 2, Dv, generator=gen) for _ in range(2))
+        leaves = [t.to(dtype).to(device).clone().requires_grad_() for t in (q, k, v)]
+        out, lse, mx = ops.mla_attention(*leaves, cu.to(device), softmax_scale=0.1)
+        out.backward(g.to(dtype).to(device))
+        ref_leaves = [t.detach().to(dtype).double().requires_grad_() for t in (q, k, v)]
+        r_out, r_lse, r_mx = reference.mla_attention(*ref_leaves, cu, 0.1)
+        r_out.backward(g.to(dtype).double())
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        pairs = [("out", out, r_out), ("lse", lse, r_lse), ("max_logit", mx, r_mx)]
+        pairs += [(f"d{n}", a.grad, b.grad) for n, a, b in zip("qkv", leaves, ref_leaves, strict=True)]
+        for name, a, b in pairs:
+            a, b = a.detach().cpu().double(), b.detach().double()
+            err = float((a - b).norm() / b.norm())
+            if not torch.isfinite(a).all() or err > tol:
+                failures.append(f"{tag} {name}: relative error {err:.2e} > {tol:g}")
     return failures
 
 
