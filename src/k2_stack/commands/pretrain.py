@@ -48,6 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
     p.add_argument("--activation-checkpointing", choices=["none", "full", "selective"], default=None,
                    help="recompute layers in backward: every layer (full) or every other layer (selective)")
+    p.add_argument("--attention", choices=["auto", "fused", "sdpa", "eager"], default=None,
+                   help="attention path: auto (the fused k2_kernels kernel where it serves the device), "
+                        "fused, sdpa or eager")
     for name, typ, help_ in _FLAGS:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, help=help_)
     p.add_argument("--document-mask", action="store_true", default=None,
@@ -77,6 +80,8 @@ def build_config(args: argparse.Namespace):
         overrides["document_mask"] = True
     if args.activation_checkpointing is not None:
         overrides["activation_checkpointing"] = args.activation_checkpointing
+    if args.attention is not None:
+        overrides["attention"] = args.attention
     return dataclasses.replace(cfg, **overrides)
 
 

@@ -55,6 +55,9 @@ class PretrainConfig:
     # Recompute activations in backward: "full" = every decoder layer, "selective" = every
     # other layer (torchtitan's layer-frequency SAC), "none".
     activation_checkpointing: str = "none"
+    # "auto": k2_kernels' fused attention (max logits from the kernel, no score matrix) where a
+    # compiled kernel serves the device, else SDPA/eager; or force "fused", "sdpa", "eager".
+    attention: str = "auto"
     # After each step, re-run the step's first micro-batch (no grad) and log the max logit the
     # updated (clipped) weights give: `max_logit_after_clip`. Costs about a third of a step.
     log_post_clip_logit: bool = False
@@ -83,6 +86,7 @@ class PretrainConfig:
         need(self.dtype in ("auto", "fp32", "bf16"), "dtype", "auto, fp32 or bf16")
         need(self.activation_checkpointing in ("none", "full", "selective"), "activation_checkpointing",
              "none, full or selective")
+        need(self.attention in ("auto", "fused", "sdpa", "eager"), "attention", "auto, fused, sdpa or eager")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

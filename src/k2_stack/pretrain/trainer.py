@@ -71,9 +71,21 @@ def build_model(cfg: PretrainConfig, vocab_size: int, device: torch.device) -> K
         )
     torch.manual_seed(cfg.seed)
     model = K2ForCausalLM(config).to(device)
+    model.set_attention_impl(cfg.attention)
     if cfg.activation_checkpointing != "none":
         enable_activation_checkpointing(model, every=1 if cfg.activation_checkpointing == "full" else 2)
     return model
+
+
+def describe_attention(model: K2ForCausalLM, cfg: PretrainConfig, device: torch.device) -> str:
+    """Which attention path training uses, for the start-up line."""
+    from k2_model.model import fused_attention_available
+
+    c = model.config
+    fused = fused_attention_available(device, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim)
+    if cfg.attention == "auto":
+        return "fused (k2_kernels)" if fused else "sdpa/eager (no compiled k2_kernels attention here)"
+    return cfg.attention
 
 
 def enable_activation_checkpointing(model: K2ForCausalLM, every: int = 1) -> None:
@@ -307,6 +319,7 @@ def _run(
             + (f" x {info.world_size} processes (FSDP2)" if info.enabled else "") + "; "
             f"data {tokenized} ({len(train_ds)} train / {len(val_ds) if val_ds else 0} val samples per epoch); run dir {run_dir}"
             + (f"; resuming after step {step}" if start_state is not None else "")
+            + f"; attention: {describe_attention(model, cfg, device)}"
         )
 
     # Ctrl-C: finish the current step, checkpoint, exit cleanly.
