@@ -1,0 +1,27 @@
+"""Smoke runs of benchmark scripts on tiny sizes: they must run and print their tables (no timing
+is asserted; the numbers are measured by hand on a quiet machine and go into the READMEs)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_bench(script: str, *args: str) -> str:
+    res = subprocess.run(
+        [sys.executable, "-P", str(ROOT / "benchmarks" / script), *args],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+def test_attention_benchmark_prints_its_table():
+    out = run_bench("attention.py", "--seqs", "64,160", "--heads", "2", "--repeats", "1")
+    rows = [line for line in out.splitlines() if line.startswith("| 64 |") or line.startswith("| 160 |")]
+    assert len(rows) == 2
+    cells = rows[1].strip("|").split("|")
+    assert len(cells) == 11 and all(c.strip() not in ("", "-") for c in cells)  # memory measured too
