@@ -19,7 +19,9 @@ DEST=.whl
 # k2-ckpt: pyzmq fastapi uvicorn pydantic safetensors httpx, and what they import
 NAMES=(pyzmq fastapi starlette uvicorn pydantic pydantic-core annotated-types annotated-doc
        typing-extensions typing-inspection opentelemetry-api anyio sniffio idna h11 click
-       httpx httpcore certifi safetensors)
+       httpx httpcore certifi safetensors
+       # k2-kernels: the OpenBLAS its CPU kernels call (optional there: a built-in GEMM otherwise)
+       scipy-openblas32)
 
 grep -qxF "/.whl/" .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo /.whl/ >> .git/info/exclude; }
 mkdir -p "$DEST"
