@@ -106,8 +106,8 @@ K2_ISA_CLONES float dot(const float* x, const float* y, int64_t n) {
   return acc;
 }
 
-// The [rows, cols) box of allowed pairs for a query block and a key block in one sequence.
-// Causal masking inside a block: key index kpos + c may be seen by query qpos + r iff c - r <= qpos - kpos.
+// Causal mask of a score block whose rows are queries qpos.. and columns keys kpos..: query
+// qpos + r may see key kpos + c iff kpos + c <= qpos + r; the rest become -inf.
 inline void mask_block(float* S, int64_t ld, int64_t nq, int64_t nk, int64_t qpos, int64_t kpos) {
   for (int64_t r = 0; r < nq; ++r) {
     const int64_t first_masked = std::max<int64_t>(0, qpos + r - kpos + 1);
