@@ -109,7 +109,8 @@ inline v8f pow2i(v8f n) { return (v8f)((__builtin_convertvector(n, v8i) + 127) <
 // e^x without a libm call: Cephes' expf (reduction by ln 2, then a degree-6 polynomial), about 1 ulp;
 // the argument is clamped to [-87, 88] (no overflow to inf). T: float or v8f.
 template <typename T>
-inline T exp_poly(T x) {
+inline T exp_poly(const T& x_in) {
+  T x = x_in;
   x = clamp_exp_arg(x);
   const T n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
   T r = x - n * 0.693359375f;
@@ -177,9 +178,10 @@ K2_SIMD_CLONES void swiglu_backward_rows(const float* gu, const float* dh, int64
   }
 }
 
-// Per-thread scratch that grows as needed and is kept across calls.
-float* scratch(size_t n) {
-  thread_local std::vector<float> buf;
+// Per-thread scratch buffers (slot 0..2) that grow as needed and are kept across calls.
+float* scratch(size_t n, int slot = 0) {
+  thread_local std::vector<float> bufs[3];
+  std::vector<float>& buf = bufs[slot];
   if (buf.size() < n) buf.resize(n);
   return buf.data();
 }
@@ -280,13 +282,13 @@ void moe_swiglu_experts_backward_cpu(const SwigluExpertsBackwardArgs& a) {
   const SwigluWeights& w = a.w;
   const bool need_dw = a.dw_gate != nullptr;
 
-  // Rows of expert e from r0 (R of them): dh = dy Wd, the activation's backward, dx = dg Wg + du Wu.
-  auto rows_part = [&](int64_t e, int64_t r0, int64_t R) {
-    float* dh = scratch(size_t(R * I));
-    float* dgu = a.dgu_scratch + r0 * 2 * I;
+  // Rows [r0, r0 + R) of expert e: dh = dy Wd, the activation's backward into h (ld I) and
+  // dgu = [d gate | d up] (ld 2I), then dx = dg Wg + du Wu.
+  auto rows_part = [&](int64_t e, int64_t r0, int64_t R, float* h, float* dgu) {
+    float* dh = scratch(size_t(R * I), 0);
     sgemm(false, false, R, I, D, 1.0f, a.dy + r0 * a.dy_row_stride, a.dy_row_stride, w.down + e * w.down_stride_e,
           w.down_stride_r, 0.0f, dh, I);
-    swiglu_backward_rows(a.gate_up + r0 * 2 * I, dh, R, I, a.h_scratch + r0 * I, dgu);
+    swiglu_backward_rows(a.gate_up + r0 * 2 * I, dh, R, I, h, dgu);
     if (a.dx != nullptr) {
       sgemm(false, false, R, D, I, 1.0f, dgu, 2 * I, w.gate + e * w.gate_stride_e, w.gate_stride_r, 0.0f,
             a.dx + r0 * D, D);
@@ -294,19 +296,20 @@ void moe_swiglu_experts_backward_cpu(const SwigluExpertsBackwardArgs& a) {
             a.dx + r0 * D, D);
     }
   };
-  // Output rows [lo, hi) of one weight gradient of expert e (which: 0 down, 1 gate, 2 up), over all its rows.
-  auto weight_part = [&](int64_t e, int which, int64_t lo, int64_t hi) {
+  // Output rows [lo, hi) of one weight gradient of expert e (which: 0 down, 1 gate, 2 up) from all its
+  // rows, whose h and dgu start at h_e and dgu_e.
+  auto weight_part = [&](int64_t e, int which, int64_t lo, int64_t hi, const float* h_e, const float* dgu_e) {
     const int64_t r0 = start_of(a.offsets, e), R = rows_of(a.offsets, e);
     const int64_t cols = which == 0 ? I : D;
     float* out = (which == 0 ? a.dw_down : which == 1 ? a.dw_gate : a.dw_up) + e * D * I + lo * cols;
     if (R == 0) {
       std::memset(out, 0, size_t(hi - lo) * size_t(cols) * sizeof(float));
     } else if (which == 0) {  // d down_e = dy_e^T h_e
-      sgemm(true, false, hi - lo, I, R, 1.0f, a.dy + r0 * a.dy_row_stride + lo, a.dy_row_stride,
-            a.h_scratch + r0 * I, I, 0.0f, out, I);
+      sgemm(true, false, hi - lo, I, R, 1.0f, a.dy + r0 * a.dy_row_stride + lo, a.dy_row_stride, h_e, I, 0.0f, out,
+            I);
     } else {  // d gate_e = dg_e^T x_e, d up_e = du_e^T x_e
-      const float* dgu = a.dgu_scratch + r0 * 2 * I + (which == 2 ? I : 0) + lo;
-      sgemm(true, false, hi - lo, D, R, 1.0f, dgu, 2 * I, a.x + r0 * a.x_row_stride, a.x_row_stride, 0.0f, out, D);
+      const float* dg = dgu_e + (which == 2 ? I : 0) + lo;
+      sgemm(true, false, hi - lo, D, R, 1.0f, dg, 2 * I, a.x + r0 * a.x_row_stride, a.x_row_stride, 0.0f, out, D);
     }
   };
 
@@ -319,11 +322,16 @@ void moe_swiglu_experts_backward_cpu(const SwigluExpertsBackwardArgs& a) {
   // An expert in one piece does everything in one task (its rows are still in cache for the weight
   // gradients); the pieces of a split expert do their rows, then its weight gradients are split by
   // output rows in a second pass.
+  // A whole expert keeps h and dgu in this thread's scratch (in cache, never written to memory); the
+  // pieces of a split expert write them to the caller's [N, I] and [N, 2I] buffers for the second pass.
   run_tasks(tasks, threads, [&](const Task& t) {
-    const int64_t r0 = start_of(a.offsets, t.e) + t.lo;
-    if (t.hi > t.lo) rows_part(t.e, r0, t.hi - t.lo);
-    if (need_dw && pieces[size_t(t.e)] == 1)
-      for (int which = 0; which < 3; ++which) weight_part(t.e, which, 0, which == 0 ? D : I);
+    const int64_t r0 = start_of(a.offsets, t.e) + t.lo, R = t.hi - t.lo;
+    const bool whole = pieces[size_t(t.e)] == 1;
+    float* h = whole ? scratch(size_t(R * I), 1) : a.h_scratch + r0 * I;
+    float* dgu = whole ? scratch(size_t(R * 2 * I), 2) : a.dgu_scratch + r0 * 2 * I;
+    if (R > 0) rows_part(t.e, r0, R, h, dgu);
+    if (need_dw && whole)
+      for (int which = 0; which < 3; ++which) weight_part(t.e, which, 0, which == 0 ? D : I, h, dgu);
   });
   if (need_dw) {
     std::vector<Task> split;  // Task::lo/hi: output rows; cost: its share of the expert's work
@@ -341,7 +349,10 @@ void moe_swiglu_experts_backward_cpu(const SwigluExpertsBackwardArgs& a) {
       }
     }
     std::stable_sort(split.begin(), split.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
-    run_tasks(split, threads, [&](const Task& t) { weight_part(t.e / 3, int(t.e % 3), t.lo, t.hi); });
+    run_tasks(split, threads, [&](const Task& t) {
+      const int64_t e = t.e / 3, r0 = start_of(a.offsets, e);
+      weight_part(e, int(t.e % 3), t.lo, t.hi, a.h_scratch + r0 * I, a.dgu_scratch + r0 * 2 * I);
+    });
   }
   if (a.dx != nullptr) {
     const int64_t end = a.E ? a.offsets[a.E - 1] : 0;

@@ -92,8 +92,8 @@ struct SwigluExpertsBackwardArgs {
   float* dw_gate;          // [E, I, D] contiguous out, or nullptr (with dw_up and dw_down)
   float* dw_up;            // [E, I, D]
   float* dw_down;          // [E, D, I]
-  float* h_scratch;        // [N, I] scratch: silu(gate) * up
-  float* dgu_scratch;      // [N, 2I] scratch: [d gate | d up]
+  float* h_scratch;        // [N, I] scratch: silu(gate) * up (written only for experts split across threads)
+  float* dgu_scratch;      // [N, 2I] scratch: [d gate | d up] (likewise)
   int num_threads;
 };
 
