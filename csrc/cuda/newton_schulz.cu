@@ -1,6 +1,6 @@
 // CUDA Newton-Schulz: all steps of the schedule on a batch of [M, N] matrices (M <= N), in place.
 //
-// Per step three launches, blockIdx.z = matrix, 64 x 64 output tiles:
+// Per step three launches, blockIdx.z = matrix, square output tiles:
 //   A  = X X^T              "syrk": only tiles (ti, tj) with ti <= tj are computed (blockIdx.x
 //                           enumerates the upper triangle of tiles); an off-diagonal tile is
 //                           stored twice, at (ti, tj) and mirrored at (tj, ti)
@@ -9,9 +9,11 @@
 // Each product is rounded once to the storage dtype after the fp32 epilogue, like torch's bf16
 // bmm / baddbmm (and torch.optim.Muon's addmm).
 //
-// bf16: tensor cores through nvcuda::wmma (16x16x16 bf16 fragments, fp32 accumulators), 4 warps
-// per block, each a 32 x 32 sub-tile; the accumulators go through a per-warp shared staging tile
-// so that both the direct and the mirrored stores are row-contiguous.
+// bf16: tensor cores through nvcuda::wmma (16x16x16 bf16 fragments, fp32 accumulators); 64 x 64
+// tiles of 4 warps (32 x 32 each) below M = 512, 128 x 128 tiles of 8 warps (64 x 32 each) from
+// there (more blocks for small matrices, more reuse per loaded tile for large ones). The
+// accumulators go through a per-warp shared staging tile so that both the direct and the mirrored
+// stores are row-contiguous.
 // fp32: plain fp32 FMAs (no TF32, so results stay within fp32 rounding), 256 threads x 4 x 4.
 // Correctness first: single-buffered shared-memory tiles, bounds checks on every edge.
 #include <mma.h>
@@ -27,12 +29,26 @@ namespace k2 {
 namespace cuda {
 namespace {
 
-constexpr int kTile = 64;       // output tile (both dims)
-constexpr int kBkBf16 = 64;     // K slice per shared-memory tile, bf16
+constexpr int kTile = 64;       // output tile of the fp32 kernel (both dims)
 constexpr int kBkF32 = 16;      // K slice, fp32
 constexpr int kPadBf16 = 8;     // row padding (elements): keeps wmma's 32-byte alignment, spreads banks
 constexpr int kStageLd = 20;    // staging row stride (floats), a multiple of 4 as wmma requires
 constexpr int kMaxGridZ = 65535;
+
+// bf16 block shapes: WARPS_M x WARPS_N warps, each FRAG_M x FRAG_N 16x16 fragments, K slice BK.
+// Square tiles (the syrk grid enumerates the same tiles along rows and columns).
+template <int WARPS_M, int WARPS_N, int FRAG_M, int FRAG_N, int BK_, int MIN_BLOCKS>
+struct Bf16Cfg {
+  static constexpr int kWarpsM = WARPS_M, kWarpsN = WARPS_N, kFragM = FRAG_M, kFragN = FRAG_N, BK = BK_;
+  static constexpr int kThreads = 32 * WARPS_M * WARPS_N, kMinBlocks = MIN_BLOCKS;
+  static constexpr int kTileM = WARPS_M * FRAG_M * 16, kTileN = WARPS_N * FRAG_N * 16;
+  static_assert(kTileM == kTileN, "square tiles");
+};
+using SmallTile = Bf16Cfg<2, 2, 2, 2, 64, 4>;  // 64 x 64, 4 warps of 32 x 32
+using LargeTile = Bf16Cfg<2, 4, 4, 2, 32, 2>;  // 128 x 128, 8 warps of 64 x 32 (twice the reuse per load)
+#ifndef K2_NS_LARGE_TILE_MIN_M
+#define K2_NS_LARGE_TILE_MIN_M 512  // below this the 128-tiles leave too few blocks for the SMs
+#endif
 
 // out = alpha * (L R) + beta * Cin over one matrix per blockIdx.z. kSyrk: R = L^T (L is [rows, K]
 // and rows == cols), only upper-triangle tiles. Otherwise L [rows, K], R [K, cols], row-major.
@@ -80,17 +96,17 @@ __device__ __forceinline__ void load_tile_bf16(__nv_bfloat16 (*s)[LD], const __n
   }
 }
 
-template <bool kSyrk>
-__global__ void __launch_bounds__(128, 4) ns_gemm_bf16(GemmParams<__nv_bfloat16> p) {
+template <bool kSyrk, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) ns_gemm_bf16(GemmParams<__nv_bfloat16> p) {
   using namespace nvcuda;
   using BLayout = typename std::conditional<kSyrk, wmma::col_major, wmma::row_major>::type;
-  constexpr int BK = kBkBf16;
+  constexpr int BK = Cfg::BK, kTile = Cfg::kTileM, FM = Cfg::kFragM, FN = Cfg::kFragN;
   constexpr int kLdK = BK + kPadBf16;     // [row][k] tiles
   constexpr int kLdN = kTile + kPadBf16;  // [k][col] tile (plain GEMM's R)
   __shared__ __align__(128) __nv_bfloat16 Ls[kTile][kLdK];
   // kSyrk: R^T rows [col][k] (col_major B); else R rows [k][col] (row_major B). One buffer, two views.
   __shared__ __align__(128) __nv_bfloat16 Rs[kTile * kLdK > BK * kLdN ? kTile * kLdK : BK * kLdN];
-  __shared__ __align__(128) float stage[4][16 * kStageLd];
+  __shared__ __align__(128) float stage[Cfg::kWarpsM * Cfg::kWarpsN][16 * kStageLd];
 
   int ti, tj;
   if constexpr (kSyrk) {
@@ -107,12 +123,13 @@ __global__ void __launch_bounds__(128, 4) ns_gemm_bf16(GemmParams<__nv_bfloat16>
   const int64_t row0 = int64_t(ti) * kTile, col0 = int64_t(tj) * kTile;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int wr = warp / 2, wc = warp % 2;  // the warp's 32 x 32 sub-tile
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+  const int wr = warp / Cfg::kWarpsN, wc = warp % Cfg::kWarpsN;  // the warp's (16 FM) x (16 FN) sub-tile
+  constexpr int WM = 16 * FM, WN = 16 * FN;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[FM][FN];
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < FM; ++i)
 #pragma unroll
-    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+    for (int j = 0; j < FN; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
 
   auto Rk = reinterpret_cast<__nv_bfloat16(*)[kLdK]>(Rs);  // kSyrk view: [col][k]
   auto Rn = reinterpret_cast<__nv_bfloat16(*)[kLdN]>(Rs);  // plain view: [k][col]
@@ -126,22 +143,22 @@ __global__ void __launch_bounds__(128, 4) ns_gemm_bf16(GemmParams<__nv_bfloat16>
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a[2];
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, BLayout> b[2];
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a[FM];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, BLayout> b[FN];
 #pragma unroll
-      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(a[i], &Ls[wr * 32 + i * 16][kk], kLdK);
+      for (int i = 0; i < FM; ++i) wmma::load_matrix_sync(a[i], &Ls[wr * WM + i * 16][kk], kLdK);
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
+      for (int j = 0; j < FN; ++j) {
         if constexpr (kSyrk) {
-          wmma::load_matrix_sync(b[j], &Rk[wc * 32 + j * 16][kk], kLdK);  // B(k, n) at [n][k]
+          wmma::load_matrix_sync(b[j], &Rk[wc * WN + j * 16][kk], kLdK);  // B(k, n) at [n][k]
         } else {
-          wmma::load_matrix_sync(b[j], &Rn[kk][wc * 32 + j * 16], kLdN);  // B(k, n) at [k][n]
+          wmma::load_matrix_sync(b[j], &Rn[kk][wc * WN + j * 16], kLdN);  // B(k, n) at [k][n]
         }
       }
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
+      for (int i = 0; i < FM; ++i)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], a[i], b[j], acc[i][j]);
+        for (int j = 0; j < FN; ++j) wmma::mma_sync(acc[i][j], a[i], b[j], acc[i][j]);
     }
     __syncthreads();
   }
@@ -150,12 +167,12 @@ __global__ void __launch_bounds__(128, 4) ns_gemm_bf16(GemmParams<__nv_bfloat16>
   const bool mirror = kSyrk && ti != tj;
   float* st = stage[warp];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < FM; ++i) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < FN; ++j) {
       wmma::store_matrix_sync(st, acc[i][j], kStageLd, wmma::mem_row_major);
       __syncwarp();
-      const int64_t fr = row0 + wr * 32 + i * 16, fc = col0 + wc * 32 + j * 16;  // fragment origin
+      const int64_t fr = row0 + wr * WM + i * 16, fc = col0 + wc * WN + j * 16;  // fragment origin
       {  // direct store: lane -> row lane / 2, 8 consecutive columns
         const int r = lane / 2, c0 = (lane % 2) * 8;
         const int64_t gi = fr + r;
@@ -276,10 +293,10 @@ bool vec_ok(const Mat<T>& m) {
 }
 
 // out = alpha * L L^T + beta * Cin (kSyrk; L [rows, K]) or alpha * L R + beta * Cin, for B matrices.
-template <typename T, bool kSyrk>
+template <typename T, bool kSyrk, int TILE = kTile, typename Cfg = SmallTile>
 void launch_gemm(int64_t B, int64_t rows, int64_t cols, int64_t K, Mat<T> L, Mat<T> R, Mat<T> Cin, Mat<T> out,
                  float alpha, float beta, cudaStream_t stream) {
-  const int64_t tr = (rows + kTile - 1) / kTile, tc = (cols + kTile - 1) / kTile;
+  const int64_t tr = (rows + TILE - 1) / TILE, tc = (cols + TILE - 1) / TILE;
   for (int64_t b0 = 0; b0 < B; b0 += kMaxGridZ) {
     const int64_t nb = std::min<int64_t>(kMaxGridZ, B - b0);
     GemmParams<T> p{};
@@ -307,7 +324,8 @@ void launch_gemm(int64_t B, int64_t rows, int64_t cols, int64_t K, Mat<T> L, Mat
     if constexpr (std::is_same<T, float>::value) {
       ns_gemm_f32<kSyrk><<<grid, 256, 0, stream>>>(p);
     } else {
-      ns_gemm_bf16<kSyrk><<<grid, 128, 0, stream>>>(p);
+      static_assert(std::is_same<T, float>::value || TILE == Cfg::kTileM, "bf16 tile of the config");
+      ns_gemm_bf16<kSyrk, Cfg><<<grid, Cfg::kThreads, 0, stream>>>(p);
     }
     check(cudaGetLastError(), kSyrk ? "newton_schulz syrk launch" : "newton_schulz gemm launch");
   }
@@ -315,8 +333,9 @@ void launch_gemm(int64_t B, int64_t rows, int64_t cols, int64_t K, Mat<T> L, Mat
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
-template <typename T>
-void run(const NewtonSchulzArgs& a, void* workspace, cudaStream_t stream) {
+// One NS schedule with tile config TILE / Cfg (Cfg: bf16 only).
+template <typename T, int TILE, typename Cfg>
+void run_steps(const NewtonSchulzArgs& a, void* workspace, cudaStream_t stream) {
   const int64_t B = a.B, M = a.M, N = a.N;
   char* ws = static_cast<char*>(workspace);
   const size_t gram_bytes = align256(size_t(B * M * M) * sizeof(T));
@@ -327,9 +346,9 @@ void run(const NewtonSchulzArgs& a, void* workspace, cudaStream_t stream) {
   const Mat<T> none{nullptr, 0, 0};
   for (int64_t s = 0; s < a.steps; ++s) {
     const float ca = a.coeffs[3 * s], cb = a.coeffs[3 * s + 1], cc = a.coeffs[3 * s + 2];
-    launch_gemm<T, true>(B, M, M, N, cur, none, none, A, 1.0f, 0.0f, stream);  // A = X X^T
-    launch_gemm<T, true>(B, M, M, M, A, none, A, P, cc, cb, stream);           // P = c A A^T + b A
-    launch_gemm<T, false>(B, M, N, M, P, cur, cur, nxt, 1.0f, ca, stream);     // X' = P X + a X
+    launch_gemm<T, true, TILE, Cfg>(B, M, M, N, cur, none, none, A, 1.0f, 0.0f, stream);  // A = X X^T
+    launch_gemm<T, true, TILE, Cfg>(B, M, M, M, A, none, A, P, cc, cb, stream);           // P = c A A^T + b A
+    launch_gemm<T, false, TILE, Cfg>(B, M, N, M, P, cur, cur, nxt, 1.0f, ca, stream);     // X' = P X + a X
     std::swap(cur, nxt);
   }
   if (cur.ptr != static_cast<T*>(a.x)) {  // an odd number of steps ends in the workspace
@@ -356,10 +375,12 @@ void newton_schulz_cuda(const NewtonSchulzArgs& a, void* workspace, int device, 
   K2_CHECK(workspace != nullptr, "newton_schulz_cuda: workspace is null");
   cuda::set_device(device);
   const cudaStream_t s = cuda::as_stream(stream);
-  if (a.dtype == DType::kBFloat16) {
-    cuda::run<__nv_bfloat16>(a, workspace, s);
+  if (a.dtype == DType::kFloat32) {
+    cuda::run_steps<float, cuda::kTile, cuda::SmallTile>(a, workspace, s);
+  } else if (a.M >= K2_NS_LARGE_TILE_MIN_M) {
+    cuda::run_steps<__nv_bfloat16, cuda::LargeTile::kTileM, cuda::LargeTile>(a, workspace, s);
   } else {
-    cuda::run<float>(a, workspace, s);
+    cuda::run_steps<__nv_bfloat16, cuda::SmallTile::kTileM, cuda::SmallTile>(a, workspace, s);
   }
 }
 
