@@ -1,10 +1,13 @@
 """One fp32 training step (forward + backward) of k2_model.K2ForCausalLM vs transformers'
 DeepseekV3ForCausalLM on the same MoE config, weights and batch, measured in the same run.
 
-    .venv/bin/python benchmarks/model_step.py [--steps 5] [--batch 4] [--seq 256]
+    .venv/bin/python benchmarks/model_step.py [--steps 5] [--batch 4] [--seq 256] [--threads 2]
+        [--torch-experts]
 
 Prints seconds per step (median), the ratio, achieved GFLOP/s (analytic FLOP count of the step,
 below) and that as a fraction of this machine's fp32 matmul rate measured here (1024x512 @ 512x512).
+`--torch-experts` adds our model with its routed experts through `torch._grouped_mm` instead of
+k2-kernels' fused grouped GEMM, to show what that kernel contributes.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
 
 import torch  # noqa: E402
 from k2_model import K2Config, K2ForCausalLM  # noqa: E402
+from k2_model.moe import RoutedExperts  # noqa: E402
 
 
 def bench_config() -> K2Config:
@@ -58,6 +62,18 @@ def step_flops(cfg: K2Config, B: int, S: int) -> float:
     T = B * S
     fwd = 2 * per_tok * T + cfg.num_hidden_layers * 2 * B * H * (S * (S + 1) // 2) * (P + R + V)
     return 3.0 * fwd
+
+
+def expert_backend() -> str:
+    """Which path runs our routed experts' MLP on fp32 CPU tensors."""
+    try:
+        import k2_kernels
+        from k2_kernels.grouped_gemm_ops import kernel_available
+    except ImportError:
+        return "torch._grouped_mm (k2-kernels without the grouped GEMM)"
+    if not kernel_available():
+        return "torch._grouped_mm (k2_kernels._C not built)"
+    return f"k2-kernels fused SwiGLU grouped GEMM, BLAS: {k2_kernels.info()['blas']}"
 
 
 def matmul_gflops() -> float:
@@ -100,6 +116,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--torch-experts",
+        action="store_true",
+        help="also time ours with the experts through torch._grouped_mm",
+    )
     args = ap.parse_args()
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -111,6 +132,7 @@ def main() -> None:
     flops = step_flops(cfg, args.batch, args.seq)
     peak = matmul_gflops()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, fp32 matmul {peak:.0f} GFLOP/s")
+    print(f"our routed experts: {expert_backend()}")
     print(f"config: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.n_routed_experts} experts "
           f"top-{cfg.num_experts_per_tok}, vocab {cfg.vocab_size}; batch {args.batch}x{args.seq}; "
           f"{flops / 1e9:.1f} GFLOP per step")  # fmt: skip
@@ -122,6 +144,7 @@ def main() -> None:
         hf_sdpa.load_state_dict(hf_eager.state_dict())
         ours_sdpa = K2ForCausalLM.from_pretrained(d).train()
         ours_eager = K2ForCausalLM.from_pretrained(d).train()
+        ours_torch_experts = K2ForCausalLM.from_pretrained(d).train() if args.torch_experts else None
     ours_eager.set_attention_impl("eager")
     models = {
         "transformers DeepseekV3ForCausalLM (eager attention)": hf_eager,
@@ -129,6 +152,11 @@ def main() -> None:
         "k2_model K2ForCausalLM (sdpa attention, max-logit recording on)": ours_sdpa,
         "k2_model K2ForCausalLM (eager attention, max-logit recording on)": ours_eager,
     }
+    if ours_torch_experts is not None:
+        for m in ours_torch_experts.modules():
+            if isinstance(m, RoutedExperts):
+                m.use_k2_kernel = False
+        models["k2_model K2ForCausalLM (sdpa attention, experts via torch._grouped_mm)"] = ours_torch_experts
     res = time_round_robin(models, ids, args.steps)
     peak_after = matmul_gflops()
     print(f"fp32 matmul after the run: {peak_after:.0f} GFLOP/s (a large change means the machine was busy)")

@@ -134,7 +134,10 @@ def test_strided_rows_and_expanded_weight():
     big = torch.randn(32, 40, generator=gen)
     x = big[:, 4:36]  # row stride 40
     w = torch.randn(1, 32, 8, generator=gen).expand(3, 32, 8)  # expert stride 0
-    assert rel_err(gg.grouped_mm(x, w, offs), torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offs)) <= TOL
+    assert (
+        rel_err(gg.grouped_mm(x, w, offs), torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offs))
+        <= TOL
+    )
 
 
 @pytest.mark.parametrize("trans_out", [False, True])
@@ -155,8 +158,12 @@ def test_opcheck():
     x = torch.randn(16, 12, generator=gen, requires_grad=True)
     w = torch.randn(4, 20, 12, generator=gen).requires_grad_()
     opcheck(torch.ops.k2.grouped_mm.default, (x, w.transpose(-2, -1), offs))
-    opcheck(torch.ops.k2.grouped_mm.default, (x, torch.randn(4, 12, 8, generator=gen, requires_grad=True), offs))
-    opcheck(torch.ops.k2.grouped_mm_wgrad.default, (x.detach(), torch.randn(16, 8, generator=gen), offs, True))
+    opcheck(
+        torch.ops.k2.grouped_mm.default, (x, torch.randn(4, 12, 8, generator=gen, requires_grad=True), offs)
+    )
+    opcheck(
+        torch.ops.k2.grouped_mm_wgrad.default, (x.detach(), torch.randn(16, 8, generator=gen), offs, True)
+    )
     meta = gg.grouped_mm(torch.empty(16, 12, device="meta"), torch.empty(4, 12, 8, device="meta"),
                          torch.empty(4, dtype=torch.int32, device="meta"))  # fmt: skip
     assert meta.shape == (16, 8) and meta.device.type == "meta"

@@ -206,9 +206,13 @@ def grouped_mm_wgrad(x_NK: Tensor, dy_NM: Tensor, offsets_E: Tensor, trans_out: 
 # them: gate_EID and up_EID [E, I, D], down_EDI [E, D, I].
 
 
-def _check_swiglu(x_ND: Tensor, gate_EID: Tensor, up_EID: Tensor, down_EDI: Tensor, offsets_E: Tensor) -> None:
+def _check_swiglu(
+    x_ND: Tensor, gate_EID: Tensor, up_EID: Tensor, down_EDI: Tensor, offsets_E: Tensor
+) -> None:
     if x_ND.dim() != 2:
-        raise ValueError(f"moe_swiglu_experts: x_ND must be 2-D [rows, hidden], got shape {tuple(x_ND.shape)}")
+        raise ValueError(
+            f"moe_swiglu_experts: x_ND must be 2-D [rows, hidden], got shape {tuple(x_ND.shape)}"
+        )
     if gate_EID.dim() != 3 or gate_EID.shape[2] != x_ND.shape[1]:
         raise ValueError(
             f"moe_swiglu_experts: gate_EID must be [experts, inter, hidden={x_ND.shape[1]}], "
@@ -216,9 +220,13 @@ def _check_swiglu(x_ND: Tensor, gate_EID: Tensor, up_EID: Tensor, down_EDI: Tens
         )
     E, I, D = gate_EID.shape
     if tuple(up_EID.shape) != (E, I, D):
-        raise ValueError(f"moe_swiglu_experts: up_EID must have gate_EID's shape {(E, I, D)}, got {tuple(up_EID.shape)}")
+        raise ValueError(
+            f"moe_swiglu_experts: up_EID must have gate_EID's shape {(E, I, D)}, got {tuple(up_EID.shape)}"
+        )
     if tuple(down_EDI.shape) != (E, D, I):
-        raise ValueError(f"moe_swiglu_experts: down_EDI must have shape {(E, D, I)}, got {tuple(down_EDI.shape)}")
+        raise ValueError(
+            f"moe_swiglu_experts: down_EDI must have shape {(E, D, I)}, got {tuple(down_EDI.shape)}"
+        )
     for name, t in (("gate_EID", gate_EID), ("up_EID", up_EID), ("down_EDI", down_EDI)):
         if t.dtype != x_ND.dtype or t.device != x_ND.device:
             raise TypeError(
@@ -241,7 +249,9 @@ def _swiglu_serves(x_ND: Tensor) -> bool:
     return _kernel(x_ND) is not None
 
 
-def _swiglu_torch(x_ND, gate_EID, up_EID, down_EDI, offsets_E, with_gate_up=True) -> tuple[Tensor, Tensor | None]:
+def _swiglu_torch(
+    x_ND, gate_EID, up_EID, down_EDI, offsets_E, with_gate_up=True
+) -> tuple[Tensor, Tensor | None]:
     """The composition the kernel fuses, through torch._grouped_mm: (y_ND, [gate | up]_N2I or None)."""
     g_NI = torch._grouped_mm(x_ND, gate_EID.transpose(-2, -1), offs=offsets_E)
     u_NI = torch._grouped_mm(x_ND, up_EID.transpose(-2, -1), offs=offsets_E)
@@ -306,7 +316,9 @@ def _moe_swiglu_experts_backward(
         du_NI = dh_NI * silu_NI
         dx, dwg, dwu, dwd = empty(), empty(), empty(), empty()
         if need_dx:
-            dx = torch._grouped_mm(dg_NI, gate_EID, offs=offsets_E) + torch._grouped_mm(du_NI, up_EID, offs=offsets_E)
+            dx = torch._grouped_mm(dg_NI, gate_EID, offs=offsets_E) + torch._grouped_mm(
+                du_NI, up_EID, offs=offsets_E
+            )
         if need_dw:
             dwd = torch._grouped_mm(dy_ND.t(), (silu_NI * u_NI).contiguous(), offs=offsets_E)
             dwg = torch._grouped_mm(dg_NI.t(), x_ND, offs=offsets_E)
@@ -316,7 +328,11 @@ def _moe_swiglu_experts_backward(
     gate_up_N2I = gate_up_N2I.contiguous()
     wg, wu, wd = _linear_layout(gate_EID), _linear_layout(up_EID), _linear_layout(down_EDI)
     dx = torch.empty(N, D, dtype=x_ND.dtype) if need_dx else empty()
-    dwg, dwu, dwd = (torch.empty(E, I, D), torch.empty(E, I, D), torch.empty(E, D, I)) if need_dw else (empty(), empty(), empty())
+    dwg, dwu, dwd = (
+        (torch.empty(E, I, D), torch.empty(E, I, D), torch.empty(E, D, I))
+        if need_dw
+        else (empty(), empty(), empty())
+    )
     h_NI = torch.empty(N, I, dtype=x_ND.dtype)
     dgu_N2I = torch.empty(N, 2 * I, dtype=x_ND.dtype)
     _lib.compiled().moe_swiglu_experts_backward_cpu(
@@ -355,13 +371,21 @@ def _swiglu_backward(ctx, dy_ND, _d_gate_up):
         dy_ND, x_ND, gate_up_N2I, gate_EID, up_EID, down_EDI, offsets_E, need_dx, need_dw
     )
     g = ctx.needs_input_grad
-    return (dx if g[0] else None), (dwg if g[1] else None), (dwu if g[2] else None), (dwd if g[3] else None), None
+    return (
+        (dx if g[0] else None),
+        (dwg if g[1] else None),
+        (dwu if g[2] else None),
+        (dwd if g[3] else None),
+        None,
+    )
 
 
 _moe_swiglu_experts.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)
 
 
-def moe_swiglu_experts(x_ND: Tensor, gate_EID: Tensor, up_EID: Tensor, down_EDI: Tensor, offsets_E: Tensor) -> Tensor:
+def moe_swiglu_experts(
+    x_ND: Tensor, gate_EID: Tensor, up_EID: Tensor, down_EDI: Tensor, offsets_E: Tensor
+) -> Tensor:
     """The routed experts' SwiGLU MLP over rows grouped by expert, fused per expert:
     ``grouped_mm(silu(grouped_mm(x, gate^T)) * grouped_mm(x, up^T), down^T)`` with nn.Linear-layout
     weights (gate/up ``[E, I, D]``, down ``[E, D, I]``). Differentiable w.r.t. x and the weights.
@@ -378,4 +402,9 @@ def moe_swiglu_experts(x_ND: Tensor, gate_EID: Tensor, up_EID: Tensor, down_EDI:
 
 def op_names() -> tuple[str, ...]:
     """The registered op names (for opcheck and docs)."""
-    return ("k2::grouped_mm", "k2::grouped_mm_wgrad", "k2::moe_swiglu_experts", "k2::moe_swiglu_experts_backward")
+    return (
+        "k2::grouped_mm",
+        "k2::grouped_mm_wgrad",
+        "k2::moe_swiglu_experts",
+        "k2::moe_swiglu_experts_backward",
+    )

@@ -80,9 +80,11 @@ class RoutedExperts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(E, I, D))
         self.up_proj = nn.Parameter(torch.empty(E, I, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
+        # False: always the torch._grouped_mm composition (for comparisons; same results to fp32 rounding).
+        self.use_k2_kernel = True
 
     def forward(self, x_ND: Tensor, offsets_E: Tensor) -> Tensor:
-        if _k2_swiglu_experts is not None:
+        if self.use_k2_kernel and _k2_swiglu_experts is not None:
             # fp32 CPU: one kernel per direction runs each expert's three GEMMs and the activation
             # while its rows are in cache (experts in parallel); elsewhere the composition below.
             return _k2_swiglu_experts(x_ND, self.gate_proj, self.up_proj, self.down_proj, offsets_E)
