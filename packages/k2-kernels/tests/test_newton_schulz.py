@@ -7,6 +7,11 @@ fp32 kernels within 1e-5 relative Frobenius error per matrix (fp32 torch itself 
 most 2x the error of a plain bf16 torch NS (matmul, then the a/b/c terms) on the same input.
 """
 
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 from k2_kernels import _lib
@@ -202,3 +207,250 @@ def test_cuda_bf16_close_to_bf16_reference():
     out = newton_schulz(Xb, KELLER[:1])
     ref = newton_schulz_reference(Xb, KELLER[:1])
     assert rel_err(out, ref).max() <= 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA kernel's logic on the CPU: csrc/cuda/newton_schulz.cu compiled as C++ against a host
+# emulation of the CUDA model (a block = real threads with real barriers; __shared__ = static, one
+# block at a time; wmma fragments held whole by every lane, with wmma's alignment rules checked).
+# It checks tiling, the upper-triangle grid, mirrored stores, edges, epilogues and ping-pong on
+# machines without a GPU; rounding is the GPU's except for the order of fp32 additions.
+
+_CSRC = Path(__file__).resolve().parents[3] / "csrc"
+
+_EMU_HEADER = r"""
+#pragma once
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <vector>
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+struct dim3 { unsigned x = 1, y = 1, z = 1; dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {} };
+struct uint4 { uint32_t x, y, z, w; };
+inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
+inline thread_local dim3 threadIdx, blockIdx, blockDim;
+inline std::barrier<>* g_block_barrier = nullptr;
+inline std::vector<std::unique_ptr<std::barrier<>>> g_warp_barriers;
+inline void __syncthreads() { g_block_barrier->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { g_warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
+inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+typedef int cudaError_t;
+constexpr cudaError_t cudaSuccess = 0;
+typedef void* cudaStream_t;
+enum cudaMemcpyKind { cudaMemcpyDeviceToDevice = 3 };
+inline const char* cudaGetErrorString(cudaError_t) { return "emulated error"; }
+inline cudaError_t cudaSetDevice(int) { return cudaSuccess; }
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline cudaError_t cudaMemcpy2DAsync(void* d, size_t dp, const void* s, size_t sp, size_t w, size_t h, cudaMemcpyKind,
+                                     cudaStream_t) {
+  for (size_t r = 0; r < h; ++r) std::memcpy(static_cast<char*>(d) + r * dp, static_cast<const char*>(s) + r * sp, w);
+  return cudaSuccess;
+}
+inline long g_blocks = 0;
+template <typename K, typename P>
+void emu_launch(K kernel, dim3 grid, unsigned threads, const P& p) {
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x, ++g_blocks) {
+        std::barrier<> bar(threads);
+        g_block_barrier = &bar;
+        g_warp_barriers.clear();
+        for (unsigned w = 0; w < threads / 32; ++w) g_warp_barriers.emplace_back(new std::barrier<>(32));
+        std::vector<std::thread> ts;
+        for (unsigned t = 0; t < threads; ++t)
+          ts.emplace_back([&, t] { threadIdx = dim3(t); blockIdx = dim3(x, y, z); blockDim = dim3(threads); kernel(p); });
+        for (auto& t : ts) t.join();
+      }
+}
+struct __nv_bfloat16 { uint16_t b; };
+inline float __bfloat162float(__nv_bfloat16 h) { return __uint_as_float(uint32_t(h.b) << 16); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  uint32_t x = __float_as_uint(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return {uint16_t((x >> 16) | 0x40u)};
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return {uint16_t(x >> 16)};
+}
+inline __nv_bfloat16 __ushort_as_bfloat16(uint16_t u) { return {u}; }
+inline uint16_t __bfloat16_as_ushort(__nv_bfloat16 h) { return h.b; }
+struct __half { uint16_t b; };
+inline float __half2float(__half) { std::abort(); }
+inline __half __float2half_rn(float) { std::abort(); }
+inline __half __ushort_as_half(uint16_t u) { return {u}; }
+inline uint16_t __half_as_ushort(__half h) { return h.b; }
+namespace nvcuda { namespace wmma {
+struct row_major {}; struct col_major {}; struct matrix_a {}; struct matrix_b {}; struct accumulator {};
+enum layout_t { mem_row_major, mem_col_major };
+template <typename Use, int M, int N, int K, typename T, typename Layout = void> struct fragment { float v[16][16]; };
+inline void check_ptr(const void* p, unsigned ldm, size_t es) {
+  if (reinterpret_cast<uintptr_t>(p) % 32 != 0 || (ldm * es) % 16 != 0) { std::puts("wmma alignment violated"); std::abort(); }
+}
+template <typename Use, typename Layout>
+void load_matrix_sync(fragment<Use, 16, 16, 16, __nv_bfloat16, Layout>& f, const __nv_bfloat16* p, unsigned ldm) {
+  check_ptr(p, ldm, 2);
+  constexpr bool rm = std::is_same<Layout, row_major>::value;
+  for (int r = 0; r < 16; ++r)
+    for (int c = 0; c < 16; ++c) f.v[r][c] = __bfloat162float(rm ? p[r * ldm + c] : p[c * ldm + r]);
+}
+inline void fill_fragment(fragment<accumulator, 16, 16, 16, float>& f, float x) { for (auto& r : f.v) for (auto& e : r) e = x; }
+template <typename LA, typename LB>
+void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, __nv_bfloat16, LA>& a,
+              const fragment<matrix_b, 16, 16, 16, __nv_bfloat16, LB>& b, const fragment<accumulator, 16, 16, 16, float>& c) {
+  fragment<accumulator, 16, 16, 16, float> t;
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 16; ++j) { float s = c.v[i][j]; for (int k = 0; k < 16; ++k) s += a.v[i][k] * b.v[k][j]; t.v[i][j] = s; }
+  d = t;
+}
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t l) {
+  check_ptr(p, ldm, 4);
+  if (threadIdx.x % 32 != 0) return;  // one writer; the kernel's __syncwarp publishes it
+  for (int i = 0; i < 16; ++i) for (int j = 0; j < 16; ++j) (l == mem_row_major ? p[i * ldm + j] : p[j * ldm + i]) = f.v[i][j];
+}
+}}  // namespace nvcuda::wmma
+"""
+
+_EMU_DRIVER = r"""
+#include <algorithm>
+#include <random>
+#include "k2/newton_schulz.h"
+namespace k2 {  // newton_schulz_cpu.cpp is linked for validate(); its BLAS calls are not made here
+void sgemm(bool, bool, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*, int64_t, float, float*,
+           int64_t) { std::abort(); }
+void ssyrk_upper(bool, int64_t, int64_t, float, const float*, int64_t, float, float*, int64_t) { std::abort(); }
+}
+using Mat = std::vector<double>;
+template <typename R>  // one step in double; round() rounds each product like the kernel (bf16) or not
+void ns_step(Mat& X, int M, int N, double a, double b, double c, R round) {
+  Mat A(M * M), P(M * M), Y(M * N);
+  for (int i = 0; i < M; ++i) for (int j = 0; j < M; ++j) {
+    double s = 0; for (int k = 0; k < N; ++k) s += X[i * N + k] * X[j * N + k]; A[i * M + j] = round(s); }
+  for (int i = 0; i < M; ++i) for (int j = 0; j < M; ++j) {
+    double s = 0; for (int k = 0; k < M; ++k) s += A[i * M + k] * A[j * M + k]; P[i * M + j] = round(c * s + b * A[i * M + j]); }
+  for (int i = 0; i < M; ++i) for (int j = 0; j < N; ++j) {
+    double s = 0; for (int k = 0; k < M; ++k) s += P[i * M + k] * X[k * N + j]; Y[i * N + j] = round(s + a * X[i * N + j]); }
+  X = Y;
+}
+int main() {
+  struct Case { int B, M, N, steps; };
+  const Case cases[] = {{2, 37, 53, 5}, {1, 130, 200, 5}, {2, 64, 64, 3}, {1, 70, 150, 1}, {1, 96, 400, 2}, {3, 16, 24, 4}};
+  const double kc[3] = {3.4445, -4.7750, 2.0315};
+  int failures = 0;
+  for (const Case& cs : cases) {
+    const int B = cs.B, M = cs.M, N = cs.N;
+    std::mt19937 gen(M * 7 + N);
+    std::normal_distribution<double> nd;
+    std::vector<Mat> X0(B, Mat(M * N));
+    for (auto& X : X0) {
+      double n2 = 0;
+      for (auto& v : X) { v = nd(gen); n2 += v * v; }
+      for (auto& v : X) v /= std::sqrt(n2);
+    }
+    std::vector<float> coeffs;
+    for (int s = 0; s < cs.steps; ++s) coeffs.insert(coeffs.end(), {float(kc[0]), float(kc[1]), float(kc[2])});
+    for (int bf = 0; bf < 2; ++bf) {
+      const int64_t stride = int64_t(M) * N + (B > 1 ? 8 : 0);  // padded: the gaps must stay untouched
+      std::vector<float> xf(B * stride, 0.0f);
+      std::vector<__nv_bfloat16> xb(B * stride, __ushort_as_bfloat16(0));
+      std::vector<Mat> Xin(B, Mat(M * N));
+      for (int b = 0; b < B; ++b)
+        for (int i = 0; i < M * N; ++i) {
+          xf[b * stride + i] = float(X0[b][i]);
+          xb[b * stride + i] = __float2bfloat16_rn(float(X0[b][i]));
+          Xin[b][i] = bf ? __bfloat162float(xb[b * stride + i]) : xf[b * stride + i];
+        }
+      k2::NewtonSchulzArgs a{bf ? static_cast<void*>(xb.data()) : static_cast<void*>(xf.data()),
+                             bf ? k2::DType::kBFloat16 : k2::DType::kFloat32, B, M, N, stride, coeffs.data(), cs.steps};
+      std::vector<char> ws(k2::newton_schulz_cuda_workspace_bytes(B, M, N, a.dtype) + 256);
+      k2::newton_schulz_cuda(a, reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(ws.data()) + 255) / 256 * 256), 0, 0);
+      double worst = 0, worst_emul = 0;
+      for (int b = 0; b < B; ++b) {
+        Mat ref = Xin[b], emul = Xin[b];
+        for (int s = 0; s < cs.steps; ++s) {
+          ns_step(ref, M, N, kc[0], kc[1], kc[2], [](double v) { return v; });
+          ns_step(emul, M, N, float(kc[0]), float(kc[1]), float(kc[2]),
+                  [bf](double v) { return bf ? double(__bfloat162float(__float2bfloat16_rn(float(v)))) : v; });
+        }
+        double e = 0, e2 = 0, n = 0;
+        for (int i = 0; i < M * N; ++i) {
+          const double got = bf ? __bfloat162float(xb[b * stride + i]) : xf[b * stride + i];
+          e += (got - ref[i]) * (got - ref[i]);
+          e2 += (got - emul[i]) * (got - emul[i]);
+          n += ref[i] * ref[i];
+        }
+        worst = std::max(worst, std::sqrt(e / n));
+        worst_emul = std::max(worst_emul, std::sqrt(e2 / n));
+        for (int64_t i = M * N; i < stride && b + 1 < B; ++i)
+          if ((bf ? __bfloat16_as_ushort(xb[b * stride + i]) : __float_as_uint(xf[b * stride + i])) != 0) ++failures;
+      }
+      // fp32: fp32 rounding; bf16: the same roundings as the double emulation up to the order of
+      // fp32 additions (which can flip a bf16 rounding, then grow through the steps)
+      const bool ok = bf ? (worst <= 5e-2 && worst_emul <= 1e-2) : worst <= 1e-5;
+      failures += !ok;
+      std::printf("%s B=%d M=%d N=%d steps=%d: rel err %.3e, vs same roundings %.3e %s\n", bf ? "bf16" : "fp32", B, M, N,
+                  cs.steps, worst, worst_emul, ok ? "ok" : "FAIL");
+    }
+  }
+  std::printf("blocks: %ld, failures: %d\n", g_blocks, failures);
+  return failures != 0;
+}
+"""
+
+
+def _emulation_compiler() -> str | None:
+    """g++ with C++20 <barrier> and OpenMP, or None."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        return None
+    probe = subprocess.run(
+        [gxx, "-std=c++20", "-fopenmp", "-fsyntax-only", "-x", "c++", "-"],
+        input="#include <barrier>\n#include <omp.h>\nint main() { std::barrier<> b(1); }\n",
+        capture_output=True,
+        text=True,
+    )
+    return gxx if probe.returncode == 0 else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("large_tile_min_m", [512, 1], ids=["default-tiles", "128-tiles"])
+def test_cuda_kernel_logic_on_host_emulation(tmp_path, large_tile_min_m):
+    cu = _CSRC / "cuda" / "newton_schulz.cu"
+    if not cu.exists():
+        pytest.skip("csrc/ not found (an installed package without the sources)")
+    gxx = _emulation_compiler()
+    if gxx is None:
+        pytest.skip("needs g++ with C++20 <barrier> and OpenMP")
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "emu.h").write_text(_EMU_HEADER)
+    for name in ("cuda_runtime.h", "cuda_bf16.h", "cuda_fp16.h", "mma.h"):
+        (inc / name).write_text('#pragma once\n#include "emu.h"\n')
+    src, n = re.subn(
+        r"(ns_gemm_\w+<[^>]*>)<<<grid, ([^,]+), 0, stream>>>\(p\)", r"emu_launch(\1, grid, \2, p)", cu.read_text()
+    )
+    assert n == 2, "expected the two kernel launches of newton_schulz.cu"
+    (tmp_path / "ns_emu.cpp").write_text(src)
+    (tmp_path / "driver.cpp").write_text('#include "emu.h"\n' + _EMU_DRIVER)
+    exe = tmp_path / "ns_emu"
+    cmd = [gxx, "-std=c++20", "-O2", "-fopenmp", "-DK2_WITH_CUDA=1", f"-DK2_NS_LARGE_TILE_MIN_M={large_tile_min_m}",
+           f"-I{inc}", f"-I{_CSRC / 'include'}", f"-I{_CSRC / 'cuda'}", "-o", str(exe),
+           str(tmp_path / "driver.cpp"), str(tmp_path / "ns_emu.cpp"), str(_CSRC / "cpu" / "newton_schulz_cpu.cpp"),
+           "-lpthread"]
+    build = subprocess.run(cmd, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "failures: 0" in run.stdout
