@@ -34,6 +34,8 @@ KERNELS = (
     # MLA attention (csrc/cuda/mla_attention_*.cu)
     "fwd_mma_kernel", "bwd_mma_kernel", "fwd_simt_kernel", "bwd_simt_kernel", "delta_kernel", "convert_kernel",
     "fill_kernel",
+    # Newton-Schulz (csrc/cuda/newton_schulz.cu)
+    "ns_gemm_bf16", "ns_gemm_f32",
 )
 
 

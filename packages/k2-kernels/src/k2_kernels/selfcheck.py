@@ -110,8 +110,28 @@ def check(device: str, quick: bool = False) -> list[str]:
             if not torch.allclose(wt_d.grad.cpu(), wt.grad, atol=1e-3 if dtype != torch.float32 else 1e-4, rtol=tol):
                 failures.append(f"moe_unpermute grad w {tag} {dtype}")
     failures += attention_mismatches(device, gen)
+    failures += newton_schulz_mismatches(device, gen)
     if device == "cuda":
         torch.cuda.synchronize()
+    return failures
+
+
+def newton_schulz_mismatches(device: str, gen: torch.Generator) -> list[str]:
+    """newton_schulz (5 Keller quintic steps) on a few wide and tall matrices vs the float64
+    reference: fp32 within 1e-5, bf16 within 3e-2 (relative, per batch)."""
+    from k2_kernels.newton_schulz_ops import newton_schulz, newton_schulz_reference
+
+    failures = []
+    coeffs = [(3.4445, -4.7750, 2.0315)] * 5
+    for shape, dtype in (((3, 40, 72), torch.float32), ((2, 130, 64), torch.float32), ((3, 64, 136), torch.bfloat16)):
+        x = torch.randn(*shape, generator=gen)
+        x = x / x.norm(dim=(-2, -1), keepdim=True)
+        got = newton_schulz(x.to(dtype).to(device), coeffs).cpu().double()
+        want = newton_schulz_reference(x.to(dtype).double(), coeffs)
+        err = float((got - want).norm() / want.norm())
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        if not torch.isfinite(got).all() or err > tol:
+            failures.append(f"newton_schulz {shape} {dtype}: relative error {err:.2e} > {tol:g}")
     return failures
 
 
