@@ -64,6 +64,19 @@ def step_flops(cfg: K2Config, B: int, S: int) -> float:
     return 3.0 * fwd
 
 
+def attention_label() -> str:
+    """What our default attention ('auto') runs here: the fused kernel where one is built."""
+    try:
+        from k2_model.model import fused_attention_available
+    except ImportError:
+        return "sdpa attention"
+    cfg = bench_config()
+    fused = fused_attention_available(
+        torch.device("cpu"), cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    )
+    return "fused attention kernel" if fused else "eager attention (auto)"
+
+
 def expert_backend() -> str:
     """Which path runs our routed experts' MLP on fp32 CPU tensors."""
     try:
@@ -142,21 +155,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         hf_eager.save_pretrained(d)
         hf_sdpa.load_state_dict(hf_eager.state_dict())
-        ours_sdpa = K2ForCausalLM.from_pretrained(d).train()
+        ours_auto = K2ForCausalLM.from_pretrained(d).train()
         ours_eager = K2ForCausalLM.from_pretrained(d).train()
         ours_torch_experts = K2ForCausalLM.from_pretrained(d).train() if args.torch_experts else None
     ours_eager.set_attention_impl("eager")
     models = {
         "transformers DeepseekV3ForCausalLM (eager attention)": hf_eager,
         "transformers DeepseekV3ForCausalLM (sdpa attention)": hf_sdpa,
-        "k2_model K2ForCausalLM (sdpa attention, max-logit recording on)": ours_sdpa,
+        f"k2_model K2ForCausalLM ({attention_label()}, max-logit recording on)": ours_auto,
         "k2_model K2ForCausalLM (eager attention, max-logit recording on)": ours_eager,
     }
     if ours_torch_experts is not None:
         for m in ours_torch_experts.modules():
             if isinstance(m, RoutedExperts):
                 m.use_k2_kernel = False
-        models["k2_model K2ForCausalLM (sdpa attention, experts via torch._grouped_mm)"] = ours_torch_experts
+        models[f"k2_model K2ForCausalLM ({attention_label()}, experts via torch._grouped_mm)"] = (
+            ours_torch_experts
+        )
     res = time_round_robin(models, ids, args.steps)
     peak_after = matmul_gflops()
     print(f"fp32 matmul after the run: {peak_after:.0f} GFLOP/s (a large change means the machine was busy)")
