@@ -84,7 +84,9 @@ void run_tasks(const std::vector<Task>& tasks, int threads, F&& body) {
 // Eight floats as one GCC vector: the activation loops below are written on it, so every target
 // (AVX-512, AVX2, the SSE2 baseline as two halves) runs them vectorised without intrinsics.
 // (The helpers are inlined in this file: the vector-argument ABI note of -Wpsabi does not apply.)
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
@@ -128,8 +130,12 @@ inline T exp_poly(const T& x_in) {
   return p * pow2i(n);
 }
 
-// Compiled for AVX-512, AVX2 and the baseline; the loader picks one (the build uses no -march).
+// On x86-64, compiled for AVX-512, AVX2 and the baseline; the loader picks one (the build uses no -march).
+#if defined(__x86_64__)
 #define K2_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define K2_SIMD_CLONES
+#endif
 
 // h = silu(g) * u, as torch computes it: g / (1 + e^-g) * u.
 template <typename T>
