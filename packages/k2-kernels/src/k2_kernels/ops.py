@@ -1,6 +1,6 @@
 """The k2 kernels as torch ops: `torch.ops.k2.moe_route`, `moe_permute`, `moe_unpermute`,
-`mla_attention` and `newton_schulz` (defined in `k2_kernels.attention_ops` and
-`k2_kernels.newton_schulz_ops`, re-exported here).
+`mla_attention`, `newton_schulz`, `grouped_mm`, `grouped_mm_wgrad` and `moe_swiglu_experts`
+(defined in `k2_kernels.attention_ops`, `.newton_schulz_ops` and `.grouped_gemm_ops`, re-exported here).
 
 Each op is a `torch.library.custom_op` with a fake (meta) implementation, so it traces under
 `torch.compile`, and autograd where it has a backward. The real implementation dispatches CPU
@@ -21,9 +21,13 @@ from torch import Tensor
 
 from k2_kernels import _launch, reference
 from k2_kernels.attention_ops import mla_attention
+from k2_kernels.grouped_gemm_ops import grouped_mm, grouped_mm_wgrad, moe_swiglu_experts
 from k2_kernels.newton_schulz_ops import newton_schulz
 
-__all__ = ["mla_attention", "newton_schulz", "moe_permute", "moe_route", "moe_unpermute", "route_weight_backward"]
+__all__ = [
+    "grouped_mm", "grouped_mm_wgrad", "mla_attention", "moe_swiglu_experts", "newton_schulz", "moe_permute", "moe_route",
+    "moe_unpermute", "route_weight_backward",
+]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,4 +342,5 @@ def op_names() -> Sequence[str]:
     return (
         "k2::moe_route", "k2::moe_permute", "k2::moe_unpermute", "k2::moe_unpermute_backward",
         "k2::mla_attention", "k2::mla_attention_backward", "k2::newton_schulz",
+        "k2::grouped_mm", "k2::grouped_mm_wgrad", "k2::moe_swiglu_experts", "k2::moe_swiglu_experts_backward",
     )  # fmt: skip

@@ -126,3 +126,24 @@ def mla_attention(
     out_THV = torch.cat(outs) if outs else q_THD.new_zeros(0, H, Dv, dtype=cdt)
     lse_HT = torch.cat(lses, dim=1) if lses else q_THD.new_zeros(H, 0, dtype=torch.float32)
     return out_THV.to(q_THD.dtype), lse_HT, max_logit_H
+
+
+def grouped_mm(x_NK: Tensor, w_EKM: Tensor, offsets_E: Tensor) -> Tensor:
+    """Per-expert product: rows [offsets[e-1], offsets[e]) of x times w_EKM[e] (torch._grouped_mm's
+    semantics; rows after offsets[-1] belong to no expert and come out 0 here)."""
+    out = x_NK.new_zeros(x_NK.shape[0], w_EKM.shape[-1])
+    start = 0
+    for e, end in enumerate(offsets_E.tolist()):
+        out[start:end] = x_NK[start:end] @ w_EKM[e]
+        start = end
+    return out
+
+
+def moe_swiglu_experts(
+    x_ND: Tensor, gate_EID: Tensor, up_EID: Tensor, down_EDI: Tensor, offsets_E: Tensor
+) -> Tensor:
+    """The routed experts' SwiGLU MLP on expert-grouped rows: down(silu(gate x) * up x) per expert,
+    weights in nn.Linear's layout ([E, out, in])."""
+    h_NI = torch.nn.functional.silu(grouped_mm(x_ND, gate_EID.transpose(-2, -1), offsets_E))
+    h_NI = h_NI * grouped_mm(x_ND, up_EID.transpose(-2, -1), offsets_E)
+    return grouped_mm(h_NI, down_EDI.transpose(-2, -1), offsets_E)
