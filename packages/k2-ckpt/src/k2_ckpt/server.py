@@ -181,8 +181,24 @@ class _ReceiverLink:
                                  f"{self.timeout_s if timeout_s is None else timeout_s:.1f}s")
 
     def send(self, msg, timeout_s: float | None = None) -> None:
-        self._wait(zmq.POLLOUT, f"accept {msg.op!r}", timeout_s)
-        self.sock.send(msg.model_dump_json().encode(), zmq.NOBLOCK)
+        budget = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget
+        data = msg.model_dump_json().encode()
+        while True:
+            self._wait(zmq.POLLOUT, f"accept {msg.op!r}", max(0.0, deadline - time.monotonic()))
+            try:
+                self.sock.send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                # writable at the poll, gone at the send: the receiver disconnected in between
+                # (a killed worker). Its disconnect event, the liveness check or the deadline
+                # turns that into the rank's failure; never an unexpected zmq error.
+                self._check_monitor()
+                self.alive()
+                if time.monotonic() > deadline:
+                    raise self._fail("worker_died", f"the receiver at {self.address} stopped accepting "
+                                     f"messages ({msg.op!r} could not be sent within {budget:.1f}s)") from None
+                time.sleep(0.01)
 
     def recv(self, what: str, timeout_s: float | None = None):
         self._wait(zmq.POLLIN, what, timeout_s)
