@@ -22,7 +22,7 @@ def rel(a: torch.Tensor, b: torch.Tensor, zero_ref_norm: float | None = None) ->
     """Norm-relative error. An exactly-zero reference (dq when every sequence has one token: the
     softmax over a single key has no gradient) is measured against `zero_ref_norm`, the size of
     the other gradients, so rounding-level residue passes and a real error does not."""
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     nb = float(b.norm())
     if nb == 0 and zero_ref_norm is not None:
         nb = zero_ref_norm
