@@ -182,6 +182,8 @@ def mla_attention(
     q/k ``[T, H, Dk]``, v ``[T, H, Dv]`` with sequences back to back; ``cu_seqlens_B1`` (int32 on
     q's device, ``[B + 1]``, starting at 0 and ending at T) marks where each starts (None: one
     sequence). ``max_seqlen``: the longest sequence (computed when None, a device sync on GPU).
+    The CPU kernel checks ``cu_seqlens`` and ``max_seqlen``; the CUDA kernels cannot (no sync), and
+    a ``max_seqlen`` smaller than a sequence would leave its last rows unwritten there.
     ``softmax_scale`` defaults to ``Dk ** -0.5``; MLA passes its YaRN-adjusted scale.
 
     Returns ``(out [T, H, Dv], lse [H, T] fp32, max_logit [H] fp32)``: the output (differentiable
