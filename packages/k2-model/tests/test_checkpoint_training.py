@@ -309,7 +309,7 @@ def test_blockwise_eager_attention_equals_sdpa_with_masks() -> None:
     torch.testing.assert_close(b_max, a_max, rtol=1e-6, atol=1e-6)
 
 
-def test_fused_attention_equals_sdpa_with_documents() -> None:
+def test_fused_attention_equals_sdpa_with_documents(monkeypatch) -> None:
     """The fused kernel path (packed documents as cu_seqlens) equals SDPA with the document mask
     in outputs, gradients and recorded max logits; a padding mask makes 'auto' leave it."""
     from k2_model.model import PackedSegments, fused_attention_available
@@ -325,11 +325,17 @@ def test_fused_attention_equals_sdpa_with_documents() -> None:
     seg = PackedSegments.from_document_ids(doc)
     assert seg is not None and seg.cu_seqlens.tolist() == [0, 40, 150, 251, 270, 300] and seg.max_seqlen == 110
     results = {}
+    import k2_model.model as k2m
+
+    build_mask = k2m.build_attention_mask
     for impl in ("sdpa", "fused"):
         model.set_attention_impl(impl)
         model.zero_grad()
         model.reset_attention_max_logits()
+        if impl == "fused":  # packed documents need no [B, S, S] mask on the fused path
+            monkeypatch.setattr(k2m, "build_attention_mask", lambda *a: pytest.fail("mask built"))
         out = model(ids, labels=ids, document_ids=doc)
+        monkeypatch.setattr(k2m, "build_attention_mask", build_mask)
         out.loss.backward()
         grad = model.model.layers[0].self_attn.q_b_proj.weight.grad.clone()
         results[impl] = (out.logits.detach(), grad, model.attention_max_logits())

@@ -94,9 +94,9 @@ class MLAttention(nn.Module):
         c_BSC, k_rope_BSR = ckv_BSCR.split([self.C, R], dim=-1)
         kv_BSHX = self.kv_b_proj(self.kv_a_layernorm(c_BSC)).view(B, S, H, P + V)
 
-        impl = self._resolve_impl(x_BSD, mask_BSL, segments)
+        impl = self._resolve_impl(x_BSD.device, mask_BSL, segments)
         if impl == "fused":
-            return self._fused_attention(q_BSHDh, kv_BSHX, k_rope_BSR, cos_BSR2, sin_BSR2, mask_BSL, segments)
+            return self._fused_attention(q_BSHDh, kv_BSHX, k_rope_BSR, cos_BSR2, sin_BSR2, segments)
 
         q_BHSDh = q_BSHDh.transpose(1, 2)
         q_nope_BHSP, q_rope_BHSR = q_BHSDh.split([P, R], dim=-1)
@@ -127,7 +127,13 @@ class MLAttention(nn.Module):
                 )
         return self.o_proj(o_BHSV.transpose(1, 2).reshape(B, S, H * V))
 
-    def _resolve_impl(self, x_BSD: Tensor, mask_BSL: Tensor | None, segments: PackedSegments | None) -> str:
+    def uses_fused(self, device: torch.device) -> bool:
+        """Whether a causal-within-documents batch (given as segments) takes the fused kernel."""
+        return self.attn_impl == "fused" or (
+            self.attn_impl == "auto" and fused_attention_available(device, self.P + self.R, self.V)
+        )
+
+    def _resolve_impl(self, device: torch.device, mask_BSL: Tensor | None, segments: PackedSegments | None) -> str:
         impl = self.attn_impl
         fusable = mask_BSL is None or segments is not None
         if impl == "fused" and not fusable:
@@ -136,9 +142,9 @@ class MLAttention(nn.Module):
                 "batch has a padding mask (use impl 'auto', 'sdpa' or 'eager')"
             )
         if impl == "auto":
-            if fusable and fused_attention_available(x_BSD.device, self.P + self.R, self.V):
+            if fusable and fused_attention_available(device, self.P + self.R, self.V):
                 return "fused"
-            return "eager" if self.training and x_BSD.device.type == "cpu" else "sdpa"
+            return "eager" if self.training and device.type == "cpu" else "sdpa"
         return impl
 
     def _fused_attention(
@@ -148,7 +154,6 @@ class MLAttention(nn.Module):
         k_rope_BSR: Tensor,
         cos_BSR2: Tensor,
         sin_BSR2: Tensor,
-        mask_BSL: Tensor | None,
         segments: PackedSegments | None,
     ) -> Tensor:
         """Tokens as one packed [T, H, *] batch through the fused kernel, which returns each head's
@@ -305,12 +310,15 @@ class K2Model(nn.Module):
         if position_ids_BS is None:
             position_ids_BS = torch.arange(S, device=device).unsqueeze(0).expand(B, S)
         cos, sin = rope_cos_sin(self.rope_inv_freq, position_ids_BS, self.rope_attention_factor)
-        mask_BSL = build_attention_mask(S, device, attention_mask_BS, document_ids_BS)
-        # the fused kernel takes causal-within-documents as packed sequences; padding masks are
-        # not that shape, so those batches take the masked paths
+        # The fused kernel takes causal-within-documents as packed sequences; padding masks are
+        # not that shape, so those batches take the masked paths. The [B, S, S] mask is built only
+        # when some layer needs it, so fused training stays linear in S with documents too.
         segments = None
         if document_ids_BS is not None and attention_mask_BS is None:
             segments = PackedSegments.from_document_ids(document_ids_BS)
+        mask_BSL = None
+        if segments is None or not all(layer.self_attn.uses_fused(device) for layer in self.layers):
+            mask_BSL = build_attention_mask(S, device, attention_mask_BS, document_ids_BS)
         h_BSD = self.embed_tokens(input_ids_BS)
         for layer in self.layers:
             h_BSD = layer(h_BSD, cos, sin, mask_BSL, segments)
