@@ -220,3 +220,15 @@ def test_opcheck():
     q, k, v, _ = make(T, H, Dk, Dv, seed=1)
     c = cu([12, 8])
     torch.library.opcheck(torch.ops.k2.mla_attention.default, (q, k, v, c, 12, Dk**-0.5, True))
+
+
+def test_consumers_choose_cpu_kernels_only_with_openblas(monkeypatch):
+    """Without OpenBLAS (k2-kernels[blas]) the ops still run the kernels when called, but the
+    automatic choices of k2-model and k2-optim keep torch's paths on CPU."""
+    from k2_kernels.newton_schulz_ops import kernel_serves
+
+    monkeypatch.setattr(_lib, "BLAS", "builtin")
+    assert not _lib.has_fast_blas()
+    assert not kernel_serves("cpu", torch.float32)
+    monkeypatch.setattr(_lib, "BLAS", "openblas 0.3.x (scipy-openblas32)")
+    assert _lib.has_fast_blas() and kernel_serves("cpu", torch.float32)

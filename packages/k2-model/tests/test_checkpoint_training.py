@@ -350,6 +350,23 @@ def test_fused_attention_equals_sdpa_with_documents(monkeypatch) -> None:
         model(ids, attention_mask=torch.ones_like(ids))
 
 
+def test_cpu_kernels_are_chosen_only_with_openblas(monkeypatch) -> None:
+    """On the built-in GEMM (no k2-kernels[blas]) 'auto' keeps the masked attention paths and
+    new models keep torch._grouped_mm experts; an explicit 'fused' still runs the kernel."""
+    from k2_kernels import _lib
+    from k2_model.model import fused_attention_available
+
+    cfg = small_config()
+    monkeypatch.setattr(_lib, "BLAS", "builtin")
+    assert not fused_attention_available(torch.device("cpu"), 192, 128)
+    model = K2ForCausalLM(cfg)
+    assert not any(getattr(m, "use_k2_kernel", False) for m in model.modules())
+    attn = model.model.layers[0].self_attn
+    assert attn._resolve_impl(torch.device("cpu"), None, None) in ("eager", "sdpa")
+    model.set_attention_impl("fused")
+    assert attn._resolve_impl(torch.device("cpu"), None, None) == "fused"
+
+
 def _dist_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
     import torch.distributed as dist
 

@@ -53,6 +53,13 @@ def _attach_blas() -> str:
 
 BLAS = _attach_blas()
 
+
+def has_fast_blas() -> bool:
+    """True when the CPU kernels run on OpenBLAS (`pip install k2-kernels[blas]`). Consumers pick
+    the compiled CPU kernels automatically only then: on the built-in GEMM they are correct but
+    can be slower than torch's own paths."""
+    return BLAS.startswith("openblas")
+
 # dtype tags shared with csrc/include/k2/common.h (keep in sync).
 DTYPE_TAG: dict[torch.dtype, int] = {
     torch.float32: 0,

@@ -100,8 +100,11 @@ def _kernel_fn(device: torch.device, dtype: torch.dtype) -> str | None:
 def kernel_serves(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether a compiled NS kernel runs for tensors of this device and dtype (else the reference)."""
     device = torch.device(device)
-    if device.type == "cpu":
-        return dtype == torch.float32 and hasattr(_lib.compiled(), "newton_schulz_cpu") and _lib.has_cpu()
+    if device.type == "cpu":  # on the built-in GEMM (no OpenBLAS) torch's batched NS is faster
+        return (
+            dtype == torch.float32 and hasattr(_lib.compiled(), "newton_schulz_cpu") and _lib.has_cpu()
+            and _lib.has_fast_blas()
+        )  # fmt: skip
     if device.type == "cuda":
         return dtype in (torch.float32, torch.bfloat16) and _lib.has_cuda() and hasattr(
             _lib.compiled(), "newton_schulz_cuda"

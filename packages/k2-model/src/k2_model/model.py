@@ -217,8 +217,8 @@ class MLAttention(nn.Module):
 def fused_attention_available(device: torch.device, Dk: int, Dv: int) -> bool:
     """A compiled k2_kernels attention kernel serves this device and these head dims."""
     C = _klib.compiled()
-    if device.type == "cpu":
-        return _klib.has_cpu() and hasattr(C, "mla_attention_fwd_cpu")
+    if device.type == "cpu":  # on the built-in GEMM (no OpenBLAS) the kernel is correct but slow
+        return _klib.has_cpu() and hasattr(C, "mla_attention_fwd_cpu") and _klib.has_fast_blas()
     if device.type == "cuda" and _klib.has_cuda() and hasattr(C, "mla_attention_fwd_cuda"):
         return [Dk, Dv] in [list(p) for p in getattr(C, "cuda_attention_head_dims", ())]
     return False

@@ -23,6 +23,8 @@ try:  # the compiled ops once k2-kernels ships them; the plain-PyTorch reference
 except ImportError:  # pragma: no cover - depends on the k2-kernels build
     from k2_kernels import reference as _kops
 
+from k2_kernels import _lib as _klib
+
 try:  # the fused expert MLP (k2-kernels' grouped GEMM: compiled for fp32 CPU, torch._grouped_mm otherwise)
     from k2_kernels.grouped_gemm_ops import moe_swiglu_experts as _k2_swiglu_experts
 except ImportError:  # pragma: no cover - depends on the k2-kernels version
@@ -80,8 +82,9 @@ class RoutedExperts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(E, I, D))
         self.up_proj = nn.Parameter(torch.empty(E, I, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
-        # False: always the torch._grouped_mm composition (for comparisons; same results to fp32 rounding).
-        self.use_k2_kernel = True
+        # False: always the torch._grouped_mm composition (for comparisons; same results to fp32
+        # rounding). Default: the k2-kernels expert kernel when it runs on OpenBLAS (k2-kernels[blas]).
+        self.use_k2_kernel = _klib.has_fast_blas()
 
     def forward(self, x_ND: Tensor, offsets_E: Tensor) -> Tensor:
         if self.use_k2_kernel and _k2_swiglu_experts is not None:
