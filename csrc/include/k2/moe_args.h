@@ -7,35 +7,35 @@
 
 namespace k2 {
 
-inline k2::RouteArgs route_args(uintptr_t logits, int logits_dtype, int64_t logits_row_stride, uintptr_t bias, int bias_dtype,
+inline RouteArgs route_args(uintptr_t logits, int logits_dtype, int64_t logits_row_stride, uintptr_t bias, int bias_dtype,
                          int64_t T, int64_t E, int64_t K, int64_t n_group, int64_t topk_group, double scale, bool norm,
                          uintptr_t idx, uintptr_t weight) {
-  return k2::RouteArgs{ptr<const void>(logits), k2::DType(logits_dtype), logits_row_stride, ptr<const void>(bias),
-                       k2::DType(bias_dtype), T, E, K, n_group, topk_group, float(scale), norm,
+  return RouteArgs{ptr<const void>(logits), DType(logits_dtype), logits_row_stride, ptr<const void>(bias),
+                       DType(bias_dtype), T, E, K, n_group, topk_group, float(scale), norm,
                        ptr<int64_t>(idx), ptr<float>(weight)};
 }
 
-inline k2::PermuteArgs permute_args(uintptr_t x, int64_t elem_bytes, int64_t x_row_stride, uintptr_t idx, int idx_dtype,
+inline PermuteArgs permute_args(uintptr_t x, int64_t elem_bytes, int64_t x_row_stride, uintptr_t idx, int idx_dtype,
                              int64_t T, int64_t K, int64_t D, int64_t E, uintptr_t x_out, uintptr_t row_to_slot,
                              uintptr_t counts, uintptr_t offsets) {
-  return k2::PermuteArgs{ptr<const void>(x), elem_bytes, x_row_stride, ptr<const void>(idx), k2::DType(idx_dtype),
+  return PermuteArgs{ptr<const void>(x), elem_bytes, x_row_stride, ptr<const void>(idx), DType(idx_dtype),
                          T, K, D, E, ptr<void>(x_out), ptr<int64_t>(row_to_slot), ptr<int32_t>(counts),
                          ptr<int32_t>(offsets)};
 }
 
-inline k2::UnpermuteArgs unpermute_args(uintptr_t y, int y_dtype, int64_t y_row_stride, uintptr_t row_to_slot,
+inline UnpermuteArgs unpermute_args(uintptr_t y, int y_dtype, int64_t y_row_stride, uintptr_t row_to_slot,
                                  uintptr_t weight, int weight_dtype, int64_t T, int64_t K, int64_t D, uintptr_t out) {
-  return k2::UnpermuteArgs{ptr<const void>(y), k2::DType(y_dtype), y_row_stride, ptr<const int64_t>(row_to_slot),
-                           ptr<const void>(weight), k2::DType(weight_dtype), T, K, D, ptr<void>(out)};
+  return UnpermuteArgs{ptr<const void>(y), DType(y_dtype), y_row_stride, ptr<const int64_t>(row_to_slot),
+                           ptr<const void>(weight), DType(weight_dtype), T, K, D, ptr<void>(out)};
 }
 
-inline k2::UnpermuteBackwardArgs unpermute_bwd_args(uintptr_t g, int64_t g_row_stride, uintptr_t y, int y_dtype,
+inline UnpermuteBackwardArgs unpermute_bwd_args(uintptr_t g, int64_t g_row_stride, uintptr_t y, int y_dtype,
                                              int64_t y_row_stride, uintptr_t row_to_slot, uintptr_t weight,
                                              int weight_dtype, int64_t T, int64_t K, int64_t D, uintptr_t grad_y,
                                              uintptr_t grad_w) {
-  return k2::UnpermuteBackwardArgs{ptr<const void>(g), g_row_stride, ptr<const void>(y), k2::DType(y_dtype),
+  return UnpermuteBackwardArgs{ptr<const void>(g), g_row_stride, ptr<const void>(y), DType(y_dtype),
                                    y_row_stride, ptr<const int64_t>(row_to_slot), ptr<const void>(weight),
-                                   k2::DType(weight_dtype), T, K, D, ptr<void>(grad_y), ptr<float>(grad_w)};
+                                   DType(weight_dtype), T, K, D, ptr<void>(grad_y), ptr<float>(grad_w)};
 }
 
 }  // namespace k2
