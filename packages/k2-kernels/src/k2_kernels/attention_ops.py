@@ -117,12 +117,10 @@ def _mla_attention_backward(
     T, H, Dk = q_THD.shape
     Dv = v_THV.shape[-1]
     backend = _use_kernel(q_THD, Dk, Dv)
-    if backend is None:  # autograd through the reference
-        with torch.enable_grad():
-            qkv = [t.detach().requires_grad_() for t in (q_THD, k_THD, v_THV)]
-            out, _, _ = reference.mla_attention(*qkv, cu_seqlens_B1, softmax_scale, causal)
-            grads = torch.autograd.grad(out, qkv, dout_THV.to(out.dtype), allow_unused=True)
-        return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, qkv, strict=True))
+    if backend is None:  # the closed-form reference backward (no autograd below the dispatcher)
+        return reference.mla_attention_backward(
+            dout_THV, q_THD, k_THD, v_THV, out_THV, lse_HT, cu_seqlens_B1, softmax_scale, causal
+        )
     q, k, v, out, dout = (_as_kernel_input(t, backend) for t in (q_THD, k_THD, v_THV, out_THV, dout_THV))
     cu = cu_seqlens_B1.to(torch.int32).contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

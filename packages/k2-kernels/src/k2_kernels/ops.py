@@ -23,9 +23,10 @@ from k2_kernels import _launch, reference
 from k2_kernels.attention_ops import mla_attention
 from k2_kernels.grouped_gemm_ops import grouped_mm, grouped_mm_wgrad, moe_swiglu_experts
 from k2_kernels.newton_schulz_ops import newton_schulz
+from k2_kernels.norm_ops import rms_norm
 
 __all__ = [
-    "grouped_mm", "grouped_mm_wgrad", "mla_attention", "moe_swiglu_experts", "newton_schulz", "moe_permute", "moe_route",
+    "grouped_mm", "grouped_mm_wgrad", "mla_attention", "rms_norm", "moe_swiglu_experts", "newton_schulz", "moe_permute", "moe_route",
     "moe_unpermute", "route_weight_backward",
 ]  # fmt: skip
 
@@ -343,4 +344,5 @@ def op_names() -> Sequence[str]:
         "k2::moe_route", "k2::moe_permute", "k2::moe_unpermute", "k2::moe_unpermute_backward",
         "k2::mla_attention", "k2::mla_attention_backward", "k2::newton_schulz",
         "k2::grouped_mm", "k2::grouped_mm_wgrad", "k2::moe_swiglu_experts", "k2::moe_swiglu_experts_backward",
+        "k2::rms_norm", "k2::rms_norm_backward",
     )  # fmt: skip

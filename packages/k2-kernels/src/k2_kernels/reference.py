@@ -128,6 +128,40 @@ def mla_attention(
     return out_THV.to(q_THD.dtype), lse_HT, max_logit_H
 
 
+def mla_attention_backward(
+    dout_THV: Tensor,
+    q_THD: Tensor,
+    k_THD: Tensor,
+    v_THV: Tensor,
+    out_THV: Tensor,
+    lse_HT: Tensor,
+    cu_seqlens_B1: Tensor | None,
+    softmax_scale: float,
+    causal: bool = True,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of `mla_attention` from the saved output and LSE, in closed form (no
+    autograd): P = exp(scale q.k - lse), dv = P^T dout, dS = P * (dout v^T - rowsum(dout * out)),
+    dq = scale dS k, dk = scale dS^T q. Computes in float32 (float64 for float64 inputs)."""
+    T, H, _ = q_THD.shape
+    cdt = torch.float64 if q_THD.dtype == torch.float64 else torch.float32
+    bounds = [0, T] if cu_seqlens_B1 is None else [int(x) for x in cu_seqlens_B1.tolist()]
+    dq, dk, dv = (torch.zeros(t.shape, dtype=cdt, device=t.device) for t in (q_THD, k_THD, v_THV))
+    for s0, s1 in zip(bounds[:-1], bounds[1:], strict=True):
+        if s1 == s0:
+            continue
+        q, k, v, o, g = (t[s0:s1].to(cdt).transpose(0, 1) for t in (q_THD, k_THD, v_THV, out_THV, dout_THV))
+        s = torch.matmul(q, k.transpose(-1, -2)) * softmax_scale
+        if causal:
+            L = s1 - s0
+            s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=s.device).triu(1), -math.inf)
+        p = torch.exp(s - lse_HT[:, s0:s1].to(cdt).unsqueeze(-1))
+        dv[s0:s1] = torch.matmul(p.transpose(-1, -2), g).transpose(0, 1)
+        ds = p * (torch.matmul(g, v.transpose(-1, -2)) - (g * o).sum(-1, keepdim=True))
+        dq[s0:s1] = (torch.matmul(ds, k) * softmax_scale).transpose(0, 1)
+        dk[s0:s1] = (torch.matmul(ds.transpose(-1, -2), q) * softmax_scale).transpose(0, 1)
+    return dq.to(q_THD.dtype), dk.to(k_THD.dtype), dv.to(v_THV.dtype)
+
+
 def grouped_mm(x_NK: Tensor, w_EKM: Tensor, offsets_E: Tensor) -> Tensor:
     """Per-expert product: rows [offsets[e-1], offsets[e]) of x times w_EKM[e] (torch._grouped_mm's
     semantics; rows after offsets[-1] belong to no expert and come out 0 here)."""
@@ -147,3 +181,19 @@ def moe_swiglu_experts(
     h_NI = torch.nn.functional.silu(grouped_mm(x_ND, gate_EID.transpose(-2, -1), offsets_E))
     h_NI = h_NI * grouped_mm(x_ND, up_EID.transpose(-2, -1), offsets_E)
     return grouped_mm(h_NI, down_EDI.transpose(-2, -1), offsets_E)
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float = 1e-6) -> Tensor:
+    """RMSNorm over the last dim, as K2's fp32 layers compute it: w * (x * rsqrt(mean(x^2) + eps))."""
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rms_norm_backward(g: Tensor, x: Tensor, w: Tensor, rstd_N: Tensor) -> tuple[Tensor, Tensor]:
+    """(dx, dw) of `rms_norm` in closed form from the saved per-row rstd:
+    dx = rstd * (g w - xhat * mean(g w xhat)), dw = sum over rows of g * xhat, xhat = x * rstd."""
+    D = x.shape[-1]
+    x2, g2 = x.reshape(-1, D), g.reshape(-1, D)
+    r = rstd_N.to(x.dtype).unsqueeze(-1)
+    xhat, gw = x2 * r, g2 * w
+    dx = r * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+    return dx.view(x.shape), (g2 * xhat).sum(0)
