@@ -148,6 +148,7 @@ def cpu_main(args: argparse.Namespace) -> None:
     print(f"# heads {args.heads}, Dk {DK}, Dv {DV}, causal, one document, fp32, fwd+bwd, median of {args.repeats}")
     rows = []
     for S in args.seqs:
+        print(f"# measuring S={S} ...", file=sys.stderr, flush=True)  # the table comes at the end
         q, k, v, dout = make_inputs(S, args.heads, "cpu", torch.float32)
         impls = [i for i in IMPLS if not (i == "eager" and S > args.max_eager)]
         t = time_interleaved({i: step_fn(i, q, k, v, dout) for i in impls}, args.repeats)
