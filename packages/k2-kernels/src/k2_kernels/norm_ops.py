@@ -65,7 +65,9 @@ def _rms_norm_backward(
 ) -> tuple[Tensor, Tensor]:
     D = x.shape[-1]
     if not _serves(x, w):  # the closed-form reference backward (no autograd below the dispatcher)
-        dx, dw = reference.rms_norm_backward(g, x, w, rstd)
+        # rstd again in x's own precision (the saved one is fp32, too coarse for float64 inputs)
+        rstd_x = torch.rsqrt(x.reshape(-1, D).pow(2).mean(-1) + eps)
+        dx, dw = reference.rms_norm_backward(g, x, w, rstd_x)
         return (dx if need_dx else x.new_empty(0)), (dw if need_dw else w.new_empty(0))
     g2, x2 = g.reshape(-1, D).contiguous(), x.reshape(-1, D).contiguous()
     wc, rc = w.contiguous(), rstd.contiguous()
