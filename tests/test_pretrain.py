@@ -183,6 +183,36 @@ def test_two_process_fsdp2_matches_one_process(tmp_path, corpus):
     assert main(["export", str(tmp_path / "two"), "--out", str(tmp_path / "two_hf")]) == 0
 
 
+def test_two_process_stop_and_resume_is_exact(tmp_path, corpus):
+    """A 2-process (FSDP2) run stopped after step 2 and resumed with 2 processes logs the same
+    losses as the uninterrupted 2-process run: the checkpoint holds the full optimizer state."""
+    import os
+    import subprocess
+    import sys
+
+    cfg = _cfg(tmp_path, corpus, steps=4, eval_every=0, micro_batch=0)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def torchrun(*args: str) -> None:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             "-m", "k2_stack", "pretrain", *args, "--json"],
+            capture_output=True, text=True, env=env, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-4000:]
+
+    for name, extra in (("full", {}), ("part", {"stop_at": 2})):
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps(dict(cfg.to_dict(), out=str(tmp_path / name), **extra)))
+        torchrun("--config", str(f))
+    assert len(_losses(tmp_path / "part")) == 2
+    torchrun("--resume", str(tmp_path / "part"))
+    assert _losses(tmp_path / "part") == _losses(tmp_path / "full")  # exact, not approximate
+    # a different process count is refused with a clear message
+    with pytest.raises(ValueError, match="same number"):
+        run_pretrain(_cfg(tmp_path, corpus, out=str(tmp_path / "part")), resume=True, quiet=True)
+
+
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_keeps_loss_grads_and_expert_loads(tmp_path, corpus, mode):
     from k2_stack.pretrain.trainer import build_model, lm_loss

@@ -89,6 +89,43 @@ def full_model_state_dict(model: nn.Module, info: DistInfo) -> dict[str, torch.T
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> dict[str, Any]:
+    """The optimizer's whole state, keyed by parameter names under FSDP2 (a collective; the full
+    dict lands on rank 0). Top-level extras of the optimizer's own state_dict (MuonClip's
+    replicated QK-Clip statistics) are kept as they are."""
+    if not info.enabled:
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    sd = dict(get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+    sd.update({k: v for k, v in optimizer.state_dict().items() if k not in ("state", "param_groups")})
+    return sd
+
+
+def load_full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict, info: DistInfo
+) -> None:
+    """Inverse of `full_model_state_dict` / `full_optimizer_state_dict`: every rank passes the
+    full dicts (read from the same checkpoint) and keeps its own shards."""
+    if not info.enabled:
+        model.load_state_dict(model_sd)
+        optimizer.load_state_dict(optim_sd)
+        return
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_sd, options=opts)
+    core = {k: optim_sd[k] for k in ("state", "param_groups")}
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=core, options=opts)
+    extras = {k: v for k, v in optim_sd.items() if k not in core}
+    if extras:  # re-load the now sharded state together with the extras through the optimizer's API
+        optimizer.load_state_dict({**optimizer.state_dict(), **extras})
+
+
 def to_float(t: torch.Tensor) -> float:
     """A scalar that may be a DTensor (e.g. the grad norm of sharded parameters)."""
     if hasattr(t, "full_tensor"):

@@ -239,8 +239,6 @@ def _run(
         raise ValueError(f"--micro-batch {micro} does not divide the per-process batch {per_rank}")
     accum = per_rank // micro
     quiet = quiet or not info.is_main
-    if resume and info.enabled:
-        raise ValueError("--resume of a multi-process run is not supported yet; resume with one process")
 
     start_state = None
     if resume:
@@ -283,13 +281,18 @@ def _run(
                 f"{run_dir}: the checkpoint of a {start_state.get('world_size')}-process run holds no optimizer "
                 "state, so it cannot be resumed exactly (export it with `k2 export` instead)"
             )
-        model.load_state_dict(start_state["model"])
-        optimizer.load_state_dict(start_state["optimizer"])
+        if int(start_state.get("world_size", 1)) != info.world_size:
+            raise ValueError(
+                f"{run_dir}: the checkpoint was written by {start_state.get('world_size', 1)} process(es); "
+                f"resume it with the same number (now {info.world_size})"
+            )
+        dd.load_full_state(model, optimizer, start_state["model"], start_state["optimizer"], info)
         scheduler.load_state_dict(start_state["scheduler"])
         loader.load_state_dict(start_state["loader"])
         torch.set_rng_state(start_state["rng"]["torch"])
         step = int(start_state["step"])
-        _truncate_metrics(run_dir / METRICS, step)
+        if info.is_main:
+            _truncate_metrics(run_dir / METRICS, step)
 
     def autocast():
         # One process: fp32 master weights, bf16 matmuls by autocast. Under FSDP2 its mixed-
@@ -301,10 +304,10 @@ def _run(
             "step": step,
             "config": cfg.to_dict(),
             "world_size": info.world_size,
+            # full (unsharded) model and optimizer state, keyed by parameter names: exports and
+            # resumes like a 1-process checkpoint (with the same number of processes)
             "model": dd.full_model_state_dict(model, info),
-            # Sharded optimizer state is not gathered yet: multi-process checkpoints hold the
-            # full model (for export) but cannot be resumed.
-            "optimizer": None if info.enabled else optimizer.state_dict(),
+            "optimizer": dd.full_optimizer_state_dict(model, optimizer, info),
             "scheduler": scheduler.state_dict(),
             "loader": loader.state_dict(),
             "rng": {"torch": torch.get_rng_state()},
