@@ -15,6 +15,7 @@
 
 #include "k2/attention.h"
 #include "k2/blas.h"
+#include "k2/cpu_math.h"
 #include "k2/threads.h"
 
 namespace k2 {
@@ -31,41 +32,9 @@ namespace {
 constexpr int64_t kFQ = 128, kFK = 256, kBQ = 128, kBK = 128, kSmallBlock = 64, kShortSeq = 512;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// exp for the softmax blocks, vectorisable (expf is a scalar libm call, as slow as the GEMMs
-// here). Cody-Waite range reduction, degree-6 polynomial on [-ln2/2, ln2/2]: ~2 ulp. Arguments
-// are <= 0 here (logit - running max); below -87.3 (and for -inf) the result is exactly 0.
-inline float fast_exp(float x) {
-  const float xc = x > -87.3f ? x : -87.3f;
-  // round(xc / ln2) by the 1.5 * 2^23 trick: the integer lands in the low mantissa bits
-  const float shifter = 12582912.0f;
-  const float t = xc * 1.44269504088896341f + shifter;
-  const float n = t - shifter;
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  uint32_t tb;
-  std::memcpy(&tb, &t, 4);
-  const uint32_t bits = (tb - 0x4B400000u + 127u) << 23;  // 2^n (n >= -126 after the clamp)
-  float two_n;
-  std::memcpy(&two_n, &bits, 4);
-  return x < -87.3f ? 0.0f : p * two_n;
-}
-
-// Row operations of the softmax blocks. The build targets baseline x86-64 (a wheel must run
-// anywhere), so these are compiled once per ISA and picked at load time (GCC target_clones):
-// AVX-512 / AVX2 where the CPU has them, which matters because the GEMMs run at BLAS speed and
-// these loops would otherwise take as long as the GEMMs.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define K2_ISA_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define K2_ISA_CLONES
-#endif
+// exp of a softmax argument (<= 0 here: logit - running max); exactly 0 for masked (-inf) and
+// negligible (< -87) entries, so a masked pair never contributes.
+inline float softmax_exp(float x) { return x < -87.0f ? 0.0f : exp_poly(x); }
 
 K2_ISA_CLONES float row_max(const float* s, int64_t n, float init) {
   float mx = init;
@@ -79,7 +48,7 @@ K2_ISA_CLONES float exp_sub_sum(float* s, int64_t n, float mx) {
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t c = 0; c < n; ++c) {
-    const float e = fast_exp(s[c] - mx);
+    const float e = softmax_exp(s[c] - mx);
     s[c] = e;
     sum += e;
   }
@@ -88,7 +57,7 @@ K2_ISA_CLONES float exp_sub_sum(float* s, int64_t n, float mx) {
 
 K2_ISA_CLONES void exp_sub(float* s, int64_t n, float lse) {
 #pragma omp simd
-  for (int64_t c = 0; c < n; ++c) s[c] = fast_exp(s[c] - lse);
+  for (int64_t c = 0; c < n; ++c) s[c] = softmax_exp(s[c] - lse);
 }
 
 K2_ISA_CLONES void scale_row(float* o, const float* x, int64_t n, float a) {
@@ -201,7 +170,7 @@ void mla_attention_fwd_cpu(const AttentionArgs& a) {
           float* s = &S[r * kFK];
           // finite after the first key block: every query sees at least its sequence's first key
           const float mx = row_max(s, nk, m[r]);
-          const float alpha = fast_exp(m[r] - mx);
+          const float alpha = softmax_exp(m[r] - mx);
           l[r] = l[r] * alpha + exp_sub_sum(s, nk, mx);
           m[r] = mx;
           if (alpha != 1.0f) scale_row(&acc[r * Dv], &acc[r * Dv], Dv, alpha);

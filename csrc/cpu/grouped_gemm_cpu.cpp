@@ -17,6 +17,7 @@
 #endif
 
 #include "k2/blas.h"
+#include "k2/cpu_math.h"
 #include "k2/common.h"
 
 namespace k2 {
@@ -81,62 +82,6 @@ void run_tasks(const std::vector<Task>& tasks, int threads, F&& body) {
   for (int64_t i = 0; i < n; ++i) body(tasks[size_t(i)]);
 }
 
-// Eight floats as one GCC vector: the activation loops below are written on it, so every target
-// (AVX-512, AVX2, the SSE2 baseline as two halves) runs them vectorised without intrinsics.
-// (The helpers are inlined in this file: the vector-argument ABI note of -Wpsabi does not apply.)
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wpsabi"
-#endif
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-inline v8f load8(const float* p) {
-  v8f v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline float clamp_exp_arg(float x) { return std::min(std::max(x, -87.0f), 88.0f); }
-inline v8f clamp_exp_arg(v8f x) {
-  const v8f lo = v8f{} - 87.0f, hi = v8f{} + 88.0f;
-  x = x < lo ? lo : x;
-  return x > hi ? hi : x;
-}
-// 2^n for integral n in [-126, 127], by building the exponent bits.
-inline float pow2i(float n) {
-  const int32_t bits = (int32_t(n) + 127) << 23;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline v8f pow2i(v8f n) { return (v8f)((__builtin_convertvector(n, v8i) + 127) << 23); }
-
-// e^x without a libm call: Cephes' expf (reduction by ln 2, then a degree-6 polynomial), about 1 ulp;
-// the argument is clamped to [-87, 88] (no overflow to inf). T: float or v8f.
-template <typename T>
-inline T exp_poly(const T& x_in) {
-  T x = x_in;
-  x = clamp_exp_arg(x);
-  const T n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  T r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  T p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  return p * pow2i(n);
-}
-
-// On x86-64, compiled for AVX-512, AVX2 and the baseline; the loader picks one (the build uses no -march).
-#if defined(__x86_64__)
-#define K2_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define K2_SIMD_CLONES
-#endif
-
 // h = silu(g) * u, as torch computes it: g / (1 + e^-g) * u.
 template <typename T>
 inline T swiglu(const T& g, const T& u) {
@@ -144,7 +89,7 @@ inline T swiglu(const T& g, const T& u) {
 }
 
 // h = silu(gate) * up for R rows of gate_up ([gate | up], row stride 2I).
-K2_SIMD_CLONES void swiglu_rows(const float* gu, int64_t R, int64_t I, float* h) {
+K2_ISA_CLONES void swiglu_rows(const float* gu, int64_t R, int64_t I, float* h) {
   for (int64_t r = 0; r < R; ++r) {
     const float* g = gu + r * 2 * I;
     const float* u = g + I;
@@ -167,7 +112,7 @@ inline void swiglu_backward(const T& g, const T& u, const T& d, T& h, T& dg, T& 
 }
 
 // From dh (R x I, contiguous): h (R x I) and [d gate | d up] (R x 2I).
-K2_SIMD_CLONES void swiglu_backward_rows(const float* gu, const float* dh, int64_t R, int64_t I, float* h,
+K2_ISA_CLONES void swiglu_backward_rows(const float* gu, const float* dh, int64_t R, int64_t I, float* h,
                                          float* dgu) {
   for (int64_t r = 0; r < R; ++r) {
     const float* g = gu + r * 2 * I;
