@@ -12,6 +12,7 @@ Shape legend: T packed tokens, H heads, B sequences, Dk query/key head dim, Dv v
 """
 
 # No `from __future__ import annotations`: custom_op reads the annotations to infer the schema.
+import functools
 import math
 
 import torch
@@ -20,7 +21,7 @@ from torch import Tensor
 from k2_kernels import _lib, reference
 from k2_kernels._launch import _backend, _stream
 
-__all__ = ["mla_attention"]
+__all__ = ["kernel_serves", "mla_attention"]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -48,17 +49,27 @@ def _check(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, cu_seqlens_B1: Tensor) -
         )
 
 
+@functools.cache
+def _cuda_head_dims() -> frozenset[tuple[int, int]]:
+    return frozenset(tuple(p) for p in getattr(_lib.compiled(), "cuda_attention_head_dims", ()))
+
+
+def kernel_serves(device: torch.device | str, Dk: int, Dv: int) -> bool:
+    """Whether a compiled attention kernel runs for this device and these head dims (fp32/bf16)."""
+    device = torch.device(device)
+    C = _lib.compiled()
+    if device.type == "cpu":
+        return _lib.has_cpu() and hasattr(C, "mla_attention_fwd_cpu")
+    if device.type == "cuda":
+        return _lib.has_cuda() and hasattr(C, "mla_attention_fwd_cuda") and (Dk, Dv) in _cuda_head_dims()
+    return False
+
+
 def _use_kernel(t: Tensor, Dk: int, Dv: int) -> str | None:
     if t.dtype not in _KERNEL_DTYPES:
         return None
-    backend = _backend(t)
-    C = _lib.compiled()
-    if backend == "cpu" and hasattr(C, "mla_attention_fwd_cpu"):
-        return "cpu"
-    if backend == "cuda" and hasattr(C, "mla_attention_fwd_cuda"):
-        if [Dk, Dv] in [list(p) for p in getattr(C, "cuda_attention_head_dims", ())]:
-            return "cuda"
-    return None
+    backend = _backend(t)  # warns once when the compiled module lacks this device
+    return backend if backend is not None and kernel_serves(t.device, Dk, Dv) else None
 
 
 def _as_kernel_input(t: Tensor, backend: str) -> Tensor:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from k2_kernels import _lib as _klib
 from k2_kernels import ops as _kops
+from k2_kernels.attention_ops import kernel_serves as _attention_kernel_serves
 from torch import Tensor, nn
 
 from k2_model.config import K2Config
@@ -219,13 +220,9 @@ class MLAttention(nn.Module):
 
 
 def fused_attention_available(device: torch.device, Dk: int, Dv: int) -> bool:
-    """A compiled k2_kernels attention kernel serves this device and these head dims."""
-    C = _klib.compiled()
-    if device.type == "cpu":  # on the built-in GEMM (no OpenBLAS) the kernel is correct but slow
-        return _klib.has_cpu() and hasattr(C, "mla_attention_fwd_cpu") and _klib.has_fast_blas()
-    if device.type == "cuda" and _klib.has_cuda() and hasattr(C, "mla_attention_fwd_cuda"):
-        return [Dk, Dv] in [list(p) for p in getattr(C, "cuda_attention_head_dims", ())]
-    return False
+    """A compiled k2_kernels attention kernel serves this device and these head dims; on CPU also
+    OpenBLAS (on the built-in GEMM the kernel is correct but slower than the masked paths)."""
+    return _attention_kernel_serves(device, Dk, Dv) and (device.type != "cpu" or _klib.has_fast_blas())
 
 
 @dataclass
@@ -245,15 +242,14 @@ class PackedSegments:
         """Documents as contiguous runs of equal ids in each row; None when an id reappears after
         another (the mask then is not a set of runs and the masked paths handle it)."""
         B, S = document_ids_BS.shape
-        doc_T = document_ids_BS.reshape(-1)
-        starts_T = torch.ones_like(doc_T, dtype=torch.bool)
-        starts_T[1:] = doc_T[1:] != doc_T[:-1]
-        starts_T[::S] = True  # every row starts a sequence
-        idx = starts_T.nonzero().flatten()
-        # runs must be distinct documents within their row (no id returning after another)
-        run_ids_B = [document_ids_BS[b][starts_T.view(B, S)[b]] for b in range(B)]
-        if any(int(r.unique().numel()) != int(r.numel()) for r in run_ids_B):
+        starts_BS = torch.ones_like(document_ids_BS, dtype=torch.bool)
+        starts_BS[:, 1:] = document_ids_BS[:, 1:] != document_ids_BS[:, :-1]  # every row starts a run
+        # runs are distinct documents iff each row has as many runs as distinct ids
+        sorted_BS = document_ids_BS.sort(dim=1).values
+        distinct_B = (sorted_BS[:, 1:] != sorted_BS[:, :-1]).sum(1) + 1
+        if not bool((starts_BS.sum(1) == distinct_B).all()):
             return None
+        idx = starts_BS.reshape(-1).nonzero().flatten()
         cu = torch.cat((idx, idx.new_tensor([B * S]))).to(torch.int32)
         return PackedSegments(cu, int((cu[1:] - cu[:-1]).max()))
 
@@ -320,6 +316,8 @@ class K2Model(nn.Module):
         segments = None
         if document_ids_BS is not None and attention_mask_BS is None:
             segments = PackedSegments.from_document_ids(document_ids_BS)
+        elif document_ids_BS is None and attention_mask_BS is None:  # plain causal: a row, a sequence
+            segments = PackedSegments.rows(B, S, device)
         mask_BSL = None
         if segments is None or not all(layer.self_attn.uses_fused(device) for layer in self.layers):
             mask_BSL = build_attention_mask(S, device, attention_mask_BS, document_ids_BS)
