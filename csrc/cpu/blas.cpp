@@ -65,6 +65,28 @@ void sgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const
   }
 }
 
+namespace {
+std::atomic<int> g_panel_columns{16};
+}  // namespace
+
+int sgemm_panel_columns() { return g_panel_columns.load(); }
+void set_sgemm_panel_columns(int columns) { g_panel_columns.store(std::max(columns, 0)); }
+
+void sgemm_few_rows(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                    const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  const int64_t panel = g_panel_columns.load();
+  // Larger panels than ~2^19 multiply-adds leave OpenBLAS's small-matrix range; measured, panels
+  // then cost more than one call (A is re-packed per panel).
+  if (ta || panel <= 0 || N <= panel || g_sgemm.load() == nullptr || M * panel * K > (int64_t(1) << 19)) {
+    sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return;
+  }
+  for (int64_t n0 = 0; n0 < N; n0 += panel) {
+    const float* b = tb ? B + n0 * ldb : B + n0;  // B's rows (trans_b) or columns [n0, n0 + panel)
+    sgemm(false, tb, M, std::min(panel, N - n0), K, alpha, A, lda, b, ldb, beta, C + n0, ldc);
+  }
+}
+
 void ssyrk_upper(bool trans, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, float beta, float* C,
                  int64_t ldc) {
   if (N <= 0) return;
@@ -85,6 +107,10 @@ void ssyrk_upper(bool trans, int64_t N, int64_t K, float alpha, const float* A, 
 }  // namespace k2
 
 K2_BINDINGS(blas) {
+  m.def(
+      "blas_set_panel_columns", [](int columns) { k2::set_sgemm_panel_columns(columns); },
+      "column panel width of the few-row GEMMs (expert kernels); 0: one BLAS call");
+  m.def("blas_panel_columns", &k2::sgemm_panel_columns);
   m.def(
       "blas_set_sgemm", [](uintptr_t fn) { k2::set_cblas_sgemm(reinterpret_cast<k2::CblasSgemmFn>(fn)); },
       "(address of a cblas_sgemm-compatible function, or 0 for the built-in kernel)");

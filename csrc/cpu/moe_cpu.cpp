@@ -4,9 +4,12 @@
 #include <cfloat>
 #include <cmath>
 #include <limits>
+#include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "k2/cpu_math.h"
 #include "k2/moe.h"
 
 namespace k2 {
@@ -126,6 +129,27 @@ inline void from_f32(float x, float* o) { *o = x; }
 inline void from_f32(float x, BF16* o) { o->v = f32_to_bf16(x); }
 inline void from_f32(float x, F16* o) { o->v = f32_to_f16(x); }
 
+// fp32 rows, compiled per ISA (the baseline build is SSE2): acc += w * y (product rounded, then
+// added: -ffp-contract=off keeps the multiply and add separate, as index_add computes them).
+K2_ISA_CLONES void scaled_add_row(float* acc, const float* y, float w, int64_t D) {
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) store8(acc + d, load8(acc + d) + w * load8(y + d));
+  for (; d < D; ++d) acc[d] += w * y[d];
+}
+K2_ISA_CLONES void scale_row(float* out, const float* g, float w, int64_t D) {
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) store8(out + d, w * load8(g + d));
+  for (; d < D; ++d) out[d] = w * g[d];
+}
+K2_ISA_CLONES float dot_row(const float* a, const float* b, int64_t D) {
+  v8f acc{};  // lane-wise partial sums: within rounding of the serial order
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) acc += load8(a + d) * load8(b + d);
+  float s = hsum8(acc);
+  for (; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
 template <typename Y>
 void unpermute_impl(const UnpermuteArgs& a, const std::vector<int32_t>& slot_to_row) {
   const int64_t T = a.T, K = a.K, D = a.D;
@@ -151,12 +175,19 @@ void unpermute_impl(const UnpermuteArgs& a, const std::vector<int32_t>& slot_to_
       for (int64_t k = 0; k < K; ++k) {
         const Y* yr = y + int64_t(rows[k]) * a.y_row_stride;
         const float wk = w[k];
+        if constexpr (std::is_same_v<Y, float>) {
+          scaled_add_row(acc.data(), yr, wk, D);
+          continue;
+        }
         for (int64_t d = 0; d < D; ++d) {
           const float p = wk * to_f32(yr[d]);  // product rounded, then added (no contraction)
           acc[d] += p;
         }
       }
-      for (int64_t d = 0; d < D; ++d) from_f32(acc[d], out + t * D + d);
+      if constexpr (std::is_same_v<Y, float>)
+        std::memcpy(out + t * D, acc.data(), size_t(D) * sizeof(float));
+      else
+        for (int64_t d = 0; d < D; ++d) from_f32(acc[d], out + t * D + d);
     }
   }
 }
@@ -196,15 +227,22 @@ void unpermute_backward_impl(const UnpermuteBackwardArgs& a) {
     const Y* yr = y + n * a.y_row_stride;
     if (gy != nullptr) {
       const float w = load_f32(a.weight, a.weight_dtype, s);
-      for (int64_t d = 0; d < D; ++d) from_f32(w * to_f32(gr[d]), gy + n * D + d);
+      if constexpr (std::is_same_v<Y, float>)
+        scale_row(gy + n * D, gr, w, D);
+      else
+        for (int64_t d = 0; d < D; ++d) from_f32(w * to_f32(gr[d]), gy + n * D + d);
     }
     if (a.grad_weight != nullptr) {
       // a SIMD reduction (lane-wise partial sums): the serial sum's add latency made this loop
       // the slowest part of the MoE token path; fp32 result within rounding of the serial order
-      float dot = 0.0f;
+      if constexpr (std::is_same_v<Y, float>) {
+        a.grad_weight[s] = dot_row(gr, yr, D);
+      } else {
+        float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += to_f32(gr[d]) * to_f32(yr[d]);
-      a.grad_weight[s] = dot;
+        for (int64_t d = 0; d < D; ++d) dot += to_f32(gr[d]) * to_f32(yr[d]);
+        a.grad_weight[s] = dot;
+      }
     }
   }
 }

@@ -9,6 +9,7 @@
 
 #include "k2/bind.h"
 #include "k2/common.h"
+#include "k2/cpu_math.h"
 #include "k2/norm.h"
 #include "k2/threads.h"
 
@@ -17,21 +18,69 @@
 #endif
 
 namespace k2 {
+namespace {
+
+// Rows [lo, hi): rstd and y. Compiled per ISA (the build's baseline is SSE2; the loops are
+// memory-light, so the vector width decides their speed).
+K2_ISA_CLONES void fwd_rows(const RmsNormArgs& a, int64_t lo, int64_t hi) {
+  const int64_t D = a.D, D8 = D / 8 * 8;
+  const float* w = a.w;
+  for (int64_t n = lo; n < hi; ++n) {
+    const float* x = a.x + n * D;
+    float* y = a.y + n * D;
+    v8f acc{};
+    for (int64_t d = 0; d < D8; d += 8) {
+      const v8f xv = load8(x + d);
+      acc += xv * xv;
+    }
+    float ss = hsum8(acc);
+    for (int64_t d = D8; d < D; ++d) ss += x[d] * x[d];
+    const float r = 1.0f / std::sqrt(ss / float(D) + a.eps);
+    a.rstd[n] = r;
+    for (int64_t d = 0; d < D8; d += 8) store8(y + d, load8(w + d) * (load8(x + d) * r));
+    for (int64_t d = D8; d < D; ++d) y[d] = w[d] * (x[d] * r);
+  }
+}
+
+// Rows [lo, hi) of the backward: dx (when asked) and this block's partial dw (when dw_part).
+K2_ISA_CLONES void bwd_rows(const RmsNormBackwardArgs& a, int64_t lo, int64_t hi, float* dw_part) {
+  const int64_t D = a.D, D8 = D / 8 * 8;
+  const float* w = a.w;
+  for (int64_t n = lo; n < hi; ++n) {
+    const float* g = a.g + n * D;
+    const float* x = a.x + n * D;
+    const float r = a.rstd[n];
+    if (a.dx != nullptr) {
+      v8f acc{};  // sum of (g * w) * xhat
+      for (int64_t d = 0; d < D8; d += 8) acc += load8(g + d) * load8(w + d) * (load8(x + d) * r);
+      float dot = hsum8(acc);
+      for (int64_t d = D8; d < D; ++d) dot += g[d] * w[d] * (x[d] * r);
+      const float c = dot / float(D);
+      float* dx = a.dx + n * D;
+      for (int64_t d = 0; d < D8; d += 8)
+        store8(dx + d, r * (load8(g + d) * load8(w + d) - (load8(x + d) * r) * c));
+      for (int64_t d = D8; d < D; ++d) dx[d] = r * (g[d] * w[d] - (x[d] * r) * c);
+    }
+    if (dw_part != nullptr) {
+      for (int64_t d = 0; d < D8; d += 8) store8(dw_part + d, load8(dw_part + d) + load8(g + d) * (load8(x + d) * r));
+      for (int64_t d = D8; d < D; ++d) dw_part[d] += g[d] * (x[d] * r);
+    }
+  }
+}
+
+}  // namespace
 
 void rms_norm_fwd_cpu(const RmsNormArgs& a) {
   K2_CHECK(a.N >= 0 && a.D >= 1, "rms_norm: need N >= 0 and D >= 1");
-  const int64_t D = a.D;
-#pragma omp parallel for schedule(static) num_threads(num_threads())
-  for (int64_t n = 0; n < a.N; ++n) {
-    const float* x = a.x + n * D;
-    float* y = a.y + n * D;
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
-    const float r = 1.0f / std::sqrt(ss / float(D) + a.eps);
-    a.rstd[n] = r;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) y[d] = a.w[d] * (x[d] * r);
+  const int threads = num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+#ifdef _OPENMP
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    const int tid = 0, nt = 1;
+#endif
+    fwd_rows(a, a.N * tid / nt, a.N * (tid + 1) / nt);
   }
 }
 
@@ -47,26 +96,8 @@ void rms_norm_bwd_cpu(const RmsNormBackwardArgs& a) {
 #else
     const int tid = 0, nt = 1;
 #endif
-    const int64_t lo = N * tid / nt, hi = N * (tid + 1) / nt;  // a static block of rows
-    float* dw_part = a.dw != nullptr ? partial.data() + size_t(tid) * size_t(D) : nullptr;
-    for (int64_t n = lo; n < hi; ++n) {
-      const float* g = a.g + n * D;
-      const float* x = a.x + n * D;
-      const float r = a.rstd[n];
-      if (a.dx != nullptr) {
-        float dot = 0.0f;  // sum of (g * w) * xhat
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += g[d] * a.w[d] * (x[d] * r);
-        const float c = dot / float(D);
-        float* dx = a.dx + n * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) dx[d] = r * (g[d] * a.w[d] - (x[d] * r) * c);
-      }
-      if (dw_part != nullptr) {
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) dw_part[d] += g[d] * (x[d] * r);
-      }
-    }
+    // a static block of rows per thread
+    bwd_rows(a, N * tid / nt, N * (tid + 1) / nt, a.dw != nullptr ? partial.data() + size_t(tid) * size_t(D) : nullptr);
   }
   if (a.dw != nullptr) {
     for (int64_t d = 0; d < D; ++d) a.dw[d] = 0.0f;

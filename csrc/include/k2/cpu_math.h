@@ -29,6 +29,13 @@ inline v8f load8(const float* p) {
 }
 inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
 
+// Sum of the eight lanes.
+inline float hsum8(v8f v) {
+  float s = 0.0f;
+  for (int i = 0; i < 8; ++i) s += v[i];
+  return s;
+}
+
 inline float clamp_exp_arg(float x) { return std::min(std::max(x, -87.0f), 88.0f); }
 inline v8f clamp_exp_arg(v8f x) {
   const v8f lo = v8f{} - 87.0f, hi = v8f{} + 88.0f;

@@ -7,6 +7,7 @@ experts op (k2::moe_swiglu_experts) against the same MLP through torch._grouped_
 import pytest
 import torch
 import torch.nn.functional as F
+from k2_kernels import _lib
 from k2_kernels import grouped_gemm_ops as gg
 from torch.library import opcheck
 
@@ -58,6 +59,17 @@ def threads(request):
     torch.set_num_threads(old)
 
 
+@pytest.fixture(params=[16, 0, 7], ids=lambda c: f"panel{c}")
+def panel(request):
+    """Column-panel width of the few-row GEMMs (k2::sgemm_few_rows): the default, one BLAS call,
+    and an odd width whose last panel is partial."""
+    C = _lib.compiled()
+    old = C.blas_panel_columns()
+    C.blas_set_panel_columns(request.param)
+    yield request.param
+    C.blas_set_panel_columns(old)
+
+
 CASES = {
     "skewed": (skewed_counts(16, 700, 0), 64, 48),
     "empty_experts": ([0, 5, 0, 0, 40, 1, 0, 0], 32, 16),
@@ -68,7 +80,7 @@ CASES = {
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_forward_and_grads_match_torch_grouped_mm(case, transposed, threads):
+def test_forward_and_grads_match_torch_grouped_mm(case, transposed, threads, panel):
     counts, K, M = CASES[case]
     E, N = len(counts), sum(counts)
     offs = offsets_from_counts(counts)
@@ -212,7 +224,7 @@ SWIGLU_CASES = {
 
 
 @pytest.mark.parametrize("case", list(SWIGLU_CASES))
-def test_swiglu_experts_forward_and_grads(case, threads):
+def test_swiglu_experts_forward_and_grads(case, threads, panel):
     counts, D, I, extra = SWIGLU_CASES[case]
     E, N = len(counts), sum(counts) + extra
     offs = offsets_from_counts(counts)

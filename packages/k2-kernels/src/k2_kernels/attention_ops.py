@@ -161,6 +161,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q_THD, k_THD, v_THV, out_THV, lse_HT, cu_seqlens_B1)
     ctx.max_seqlen, ctx.softmax_scale, ctx.causal = max_seqlen, softmax_scale, causal
     ctx.mark_non_differentiable(lse_HT, max_logit_H)
+    ctx.set_materialize_grads(False)  # no zero tensors for the non-differentiable outputs
 
 
 def _backward(ctx, dout_THV, _dlse, _dmax):

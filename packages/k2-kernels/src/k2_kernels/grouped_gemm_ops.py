@@ -360,6 +360,7 @@ def _swiglu_setup_context(ctx, inputs, output):
     x_ND, gate_EID, up_EID, down_EDI, offsets_E = inputs
     ctx.save_for_backward(x_ND, output[1], gate_EID, up_EID, down_EDI, offsets_E)
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # else autograd fills an [N, 2I] zero gradient for gate_up
 
 
 def _swiglu_backward(ctx, dy_ND, _d_gate_up):

@@ -92,6 +92,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, w, output[1])
     ctx.eps = eps
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # no zero tensor for rstd
 
 
 def _backward(ctx, g, _grstd):

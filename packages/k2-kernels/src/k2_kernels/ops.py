@@ -159,6 +159,7 @@ def _route_setup_context(ctx, inputs, output):
     ctx.save_for_backward(logits_TE, output[0])
     ctx.routed_scaling_factor = routed_scaling_factor
     ctx.norm_topk_prob = norm_topk_prob
+    ctx.set_materialize_grads(False)  # the indices get no gradient tensor
 
 
 def _route_backward(ctx, grad_idx, grad_weight_TK):
@@ -227,6 +228,7 @@ def _permute_setup_context(ctx, inputs, output):
     ctx.save_for_backward(output[1])
     ctx.T, ctx.K = topk_idx_TK.shape
     ctx.x_dtype = x_TD.dtype
+    ctx.set_materialize_grads(False)  # nor do the index outputs
 
 
 def _permute_backward(ctx, grad_x_ND, _g_rows, _g_counts, _g_offsets):
