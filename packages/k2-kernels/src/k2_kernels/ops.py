@@ -24,10 +24,11 @@ from k2_kernels.attention_ops import mla_attention
 from k2_kernels.grouped_gemm_ops import grouped_mm, grouped_mm_wgrad, moe_swiglu_experts
 from k2_kernels.newton_schulz_ops import newton_schulz
 from k2_kernels.norm_ops import rms_norm
+from k2_kernels.rope_ops import mla_rope_pack
 
 __all__ = [
-    "grouped_mm", "grouped_mm_wgrad", "mla_attention", "rms_norm", "moe_swiglu_experts", "newton_schulz", "moe_permute", "moe_route",
-    "moe_unpermute", "route_weight_backward",
+    "grouped_mm", "grouped_mm_wgrad", "mla_attention", "mla_rope_pack", "rms_norm", "moe_swiglu_experts",
+    "newton_schulz", "moe_permute", "moe_route", "moe_unpermute", "route_weight_backward",
 ]  # fmt: skip
 
 
@@ -346,5 +347,5 @@ def op_names() -> Sequence[str]:
         "k2::moe_route", "k2::moe_permute", "k2::moe_unpermute", "k2::moe_unpermute_backward",
         "k2::mla_attention", "k2::mla_attention_backward", "k2::newton_schulz",
         "k2::grouped_mm", "k2::grouped_mm_wgrad", "k2::moe_swiglu_experts", "k2::moe_swiglu_experts_backward",
-        "k2::rms_norm", "k2::rms_norm_backward",
+        "k2::rms_norm", "k2::rms_norm_backward", "k2::mla_rope_pack", "k2::mla_rope_pack_backward",
     )  # fmt: skip

@@ -197,3 +197,45 @@ def rms_norm_backward(g: Tensor, x: Tensor, w: Tensor, rstd_N: Tensor) -> tuple[
     xhat, gw = x2 * r, g2 * w
     dx = r * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
     return dx.view(x.shape), (g2 * xhat).sum(0)
+
+
+def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on interleaved pairs of the last dim ([..., R]; cos/sin broadcast to [..., R/2]),
+    written as [rotated evens | rotated odds] (the layout K2 / DeepSeek-V3 checkpoints imply)."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_interleaved_backward(d: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Gradient of `rope_interleaved` w.r.t. x: pairs (a, b) of d's halves -> (a c + b s, b c - a s)."""
+    R2 = d.shape[-1] // 2
+    a, b = d[..., :R2], d[..., R2:]
+    return torch.stack((a * cos + b * sin, b * cos - a * sin), dim=-1).flatten(-2)
+
+
+def mla_rope_pack(
+    q_THX: Tensor, kv_THY: Tensor, k_rope_TR: Tensor, cos_TR2: Tensor, sin_TR2: Tensor, nope_dim: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """MLA's attention inputs: q [T, H, P + R] with RoPE on its last R dims; k [T, H, P + R] =
+    [k_nope | RoPE(k_rope) shared by every head] from kv [T, H, P + V] and k_rope [T, R]; v [T, H, V].
+    cos/sin [T, R/2] are cast to the inputs' dtype first."""
+    P = nope_dim
+    T, H = q_THX.shape[:2]
+    R = k_rope_TR.shape[-1]
+    cos, sin = cos_TR2.to(q_THX.dtype), sin_TR2.to(q_THX.dtype)
+    q = torch.cat((q_THX[..., :P], rope_interleaved(q_THX[..., P:], cos[:, None], sin[:, None])), dim=-1)
+    k_rope = rope_interleaved(k_rope_TR, cos, sin)[:, None].expand(T, H, R)
+    k = torch.cat((kv_THY[..., :P], k_rope), dim=-1)
+    return q, k, kv_THY[..., P:].contiguous()
+
+
+def mla_rope_pack_backward(
+    dq_THD: Tensor, dk_THD: Tensor, dv_THV: Tensor, cos_TR2: Tensor, sin_TR2: Tensor, nope_dim: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(d q, d kv, d k_rope) of `mla_rope_pack` in closed form (k_rope's gradient summed over heads)."""
+    P = nope_dim
+    cos, sin = cos_TR2.to(dq_THD.dtype), sin_TR2.to(dq_THD.dtype)
+    dq = torch.cat((dq_THD[..., :P], rope_interleaved_backward(dq_THD[..., P:], cos[:, None], sin[:, None])), -1)
+    dkv = torch.cat((dk_THD[..., :P], dv_THV), dim=-1)
+    dk_rope = rope_interleaved_backward(dk_THD[..., P:].sum(1), cos, sin)
+    return dq, dkv, dk_rope
