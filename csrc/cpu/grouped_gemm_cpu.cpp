@@ -137,9 +137,10 @@ K2_ISA_CLONES void swiglu_backward_rows(const float* gu, const float* dh, int64_
 // Reads `rows` rows of `cols` floats (row stride ld) once, sequentially, so that they sit in this core's
 // cache before the BLAS calls that use them. On this kind of machine an expert's operands come from
 // memory (a layer's experts hold ~50 MB of weights), and OpenBLAS's packing reads them in a pattern
-// the hardware prefetcher follows poorly (software prefetch instructions made no difference): one
-// streaming pass first, at full bandwidth, then cache-hot GEMMs took a 64-row expert's forward from
-// 203 to 173 us and a 16-row one's from 99 to 75 us (single thread).
+// the hardware prefetcher follows poorly: one streaming pass first, at full bandwidth, then
+// cache-hot GEMMs took a 64-row expert's forward from 203 to 173 us and a 16-row one's from 99 to
+// 75 us (single thread). Tried and not kept: software prefetches of the thread's next expert spread
+// over the current one's GEMMs (better single-threaded, no gain with two threads sharing memory).
 K2_ISA_CLONES void warm_rows(const float* p, int64_t rows, int64_t cols, int64_t ld) {
   v8f acc{};
   for (int64_t r = 0; r < rows; ++r) {
