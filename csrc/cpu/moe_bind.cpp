@@ -22,6 +22,17 @@ K2_BINDINGS(moe_cpu) {
       },
       route_doc);
   m.def(
+      "moe_route_backward_cpu",
+      [](uintptr_t l, int64_t ls, uintptr_t i, uintptr_t g, int64_t T, int64_t E, int64_t K, double s, bool n,
+         uintptr_t out) {
+        RouteBackwardArgs a{ptr<const float>(l), ls, ptr<const int64_t>(i), ptr<const float>(g), T, E, K, float(s),
+                            n, ptr<float>(out)};
+        py::gil_scoped_release nogil;
+        k2::moe_route_backward_cpu(a);
+      },
+      "(logits fp32, logits_row_stride, topk_idx int64, grad_weight fp32, T, E, K, routed_scaling_factor, "
+      "norm_topk_prob, grad_logits_out): fp32, [T, K] inputs contiguous");
+  m.def(
       "moe_permute_cpu",
       [](uintptr_t x, int64_t eb, int64_t xs, uintptr_t i, int id, int64_t T, int64_t K, int64_t D, int64_t E,
          uintptr_t xo, uintptr_t r, uintptr_t c, uintptr_t o) {

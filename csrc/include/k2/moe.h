@@ -24,6 +24,21 @@ struct RouteArgs {
   float* topk_weight;      // [T, K] out
 };
 
+// Gradient of the routing weights w.r.t. the router logits (the indices are piecewise constant):
+// with s = sigmoid(logit) at the K chosen experts, S = sum_k s_k + 1e-20, g the weights' gradient,
+// c the scaling factor: d s_j = c (g_j - sum_k g_k s_k / S) / S (c g_j without normalisation),
+// d logit_j = d s_j s_j (1 - s_j) at the chosen experts, 0 elsewhere. fp32.
+struct RouteBackwardArgs {
+  const float* logits;       // [T, E], row stride logits_row_stride
+  int64_t logits_row_stride;
+  const int64_t* topk_idx;   // [T, K], contiguous
+  const float* grad_weight;  // [T, K], contiguous
+  int64_t T, E, K;
+  float routed_scaling_factor;
+  bool norm_topk_prob;
+  float* grad_logits;        // [T, E] out, contiguous
+};
+
 struct PermuteArgs {
   const void* x;           // [T, D], elements of elem_bytes (any dtype: the rows are copied)
   int64_t elem_bytes;
@@ -72,6 +87,7 @@ void validate(const UnpermuteBackwardArgs& a);
 // CPU (OpenMP). moe_permute_cpu throws std::invalid_argument on an out-of-range expert index,
 // moe_unpermute_cpu when row_to_slot is not a permutation.
 void moe_route_cpu(const RouteArgs& a);
+void moe_route_backward_cpu(const RouteBackwardArgs& a);
 void moe_permute_cpu(const PermuteArgs& a);
 void moe_unpermute_cpu(const UnpermuteArgs& a);
 void moe_unpermute_backward_cpu(const UnpermuteBackwardArgs& a);

@@ -64,6 +64,26 @@ def test_route_grad_matches_reference_autograd(device, grouped, norm):
     assert b1.grad is None  # the selection bias gets no gradient
 
 
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_backward_kernel_matches_the_composition(norm):
+    """k2::moe_route_backward (one C++ pass on fp32 CPU) against ops.route_weight_backward's torch
+    composition, with strided logits (a column slice); opcheck; an out-of-range index is named."""
+    gen = torch.Generator().manual_seed(5)
+    T, E, K = 77, 96, 6
+    logits = torch.randn(T, E + 5, generator=gen)[:, :E]
+    idx = torch.rand(T, E, generator=gen).argsort(1)[:, :K]
+    g = torch.randn(T, K, generator=gen)
+    got = torch.ops.k2.moe_route_backward(logits, idx, g, 2.5, norm)
+    want = ops.route_weight_backward(logits, idx, g, 2.5, norm)
+    assert got.shape == (T, E) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert torch.count_nonzero(got) <= T * K
+    opcheck(torch.ops.k2.moe_route_backward.default, (logits.contiguous(), idx, g, 2.5, norm))
+    if _lib.has_cpu():
+        with pytest.raises(ValueError, match=r"topk_idx\[.*\] = 96 is outside"):
+            torch.ops.k2.moe_route_backward(logits, idx.clamp(max=E - 1) + 1, g, 2.5, norm)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_permute_unpermute_grads_match_reference_autograd(device, dtype):

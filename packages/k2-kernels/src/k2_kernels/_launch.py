@@ -90,6 +90,27 @@ def run_route(
     return idx_TK, weight_TK
 
 
+def run_route_backward(
+    logits_TE: Tensor, topk_idx_TK: Tensor, grad_weight_TK: Tensor, routed_scaling_factor: float, norm_topk_prob: bool
+) -> Tensor | None:
+    """d loss / d logits of the routing weights on fp32 CPU tensors (see `ops.route_weight_backward`)."""
+    if (
+        logits_TE.device.type != "cpu" or logits_TE.dtype != torch.float32 or not _lib.has_cpu()
+        or not hasattr(_lib.compiled(), "moe_route_backward_cpu")
+    ):  # fmt: skip
+        return None
+    logits_TE = _rows(logits_TE)
+    idx_TK = topk_idx_TK.to(torch.int64).contiguous()
+    g_TK = grad_weight_TK.to(torch.float32).contiguous()
+    T, E = logits_TE.shape
+    grad_TE = torch.empty(T, E, dtype=torch.float32)
+    _lib.compiled().moe_route_backward_cpu(
+        logits_TE.data_ptr(), _row_stride(logits_TE), idx_TK.data_ptr(), g_TK.data_ptr(), T, E, idx_TK.shape[1],
+        float(routed_scaling_factor), bool(norm_topk_prob), grad_TE.data_ptr(),
+    )  # fmt: skip
+    return grad_TE
+
+
 def run_permute(
     x_TD: Tensor, topk_idx_TK: Tensor, num_experts: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:

@@ -155,6 +155,23 @@ def route_weight_backward(
     return grad_TE.to(logits_TE.dtype)
 
 
+@torch.library.custom_op("k2::moe_route_backward", mutates_args=())
+def _moe_route_backward(
+    logits_TE: Tensor, topk_idx_TK: Tensor, grad_weight_TK: Tensor, routed_scaling_factor: float, norm_topk_prob: bool
+) -> Tensor:
+    """`route_weight_backward` as an op: one C++ pass on fp32 CPU (the composition above was a dozen
+    small ops, ~0.6 ms per MoE layer at 1024 tokens); the composition elsewhere."""
+    out = _launch.run_route_backward(logits_TE, topk_idx_TK, grad_weight_TK, routed_scaling_factor, norm_topk_prob)
+    if out is None:
+        out = route_weight_backward(logits_TE, topk_idx_TK, grad_weight_TK, routed_scaling_factor, norm_topk_prob)
+    return out
+
+
+@_moe_route_backward.register_fake
+def _(logits_TE, topk_idx_TK, grad_weight_TK, routed_scaling_factor, norm_topk_prob):
+    return torch.empty_like(logits_TE)
+
+
 def _route_setup_context(ctx, inputs, output):
     logits_TE, _bias, _k, _g, _tg, routed_scaling_factor, norm_topk_prob = inputs
     ctx.save_for_backward(logits_TE, output[0])
@@ -167,7 +184,7 @@ def _route_backward(ctx, grad_idx, grad_weight_TK):
     logits_TE, idx_TK = ctx.saved_tensors
     grad_logits = None
     if grad_weight_TK is not None and ctx.needs_input_grad[0]:
-        grad_logits = route_weight_backward(
+        grad_logits = torch.ops.k2.moe_route_backward(
             logits_TE, idx_TK, grad_weight_TK, ctx.routed_scaling_factor, ctx.norm_topk_prob
         )
     # The selection bias only moves the choice (piecewise constant): no gradient.
@@ -344,7 +361,7 @@ def moe_unpermute(y_ND: Tensor, row_to_slot_N: Tensor, topk_weight_TK: Tensor) -
 def op_names() -> Sequence[str]:
     """The registered op names (for opcheck and docs)."""
     return (
-        "k2::moe_route", "k2::moe_permute", "k2::moe_unpermute", "k2::moe_unpermute_backward",
+        "k2::moe_route", "k2::moe_route_backward", "k2::moe_permute", "k2::moe_unpermute", "k2::moe_unpermute_backward",
         "k2::mla_attention", "k2::mla_attention_backward", "k2::newton_schulz",
         "k2::grouped_mm", "k2::grouped_mm_wgrad", "k2::moe_swiglu_experts", "k2::moe_swiglu_experts_backward",
         "k2::rms_norm", "k2::rms_norm_backward", "k2::mla_rope_pack", "k2::mla_rope_pack_backward",
