@@ -30,6 +30,7 @@ namespace {
 // keeps, which at S = 256 with 128-row blocks is 1.5x the needed work (measured at B = 4, S = 256,
 // H = 4: forward 3.9 -> 3.3 ms, backward 9.2 -> 9.0 ms; at S = 2048 64-row blocks cost ~8%).
 constexpr int64_t kFQ = 128, kFK = 256, kBQ = 128, kBK = 128, kSmallBlock = 64, kShortSeq = 512;
+static_assert(kProbsMaxSeqlen <= kFK, "kept probabilities need one forward key block per query block");
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // exp of a softmax argument (<= 0 here: logit - running max); exactly 0 for masked (-inf) and
@@ -130,6 +131,9 @@ void mla_attention_fwd_cpu(const AttentionArgs& a) {
   validate(a);
   K2_CHECK(a.dtype == DType::kFloat32, "mla_attention (CPU kernel): float32 only; the Python side converts bf16");
   check_cu_seqlens(a.cu_seqlens, a.B, a.T, a.max_seqlen);
+  K2_CHECK(a.probs == nullptr || (a.max_seqlen <= kProbsMaxSeqlen && a.probs_ld >= a.max_seqlen),
+           "mla_attention: keeping the probabilities needs max_seqlen <= " + std::to_string(kProbsMaxSeqlen) +
+               " and probs_ld >= max_seqlen");
   const int64_t H = a.H, Dk = a.Dk, Dv = a.Dv, T = a.T;
   const float* q = static_cast<const float*>(a.q);
   const float* k = static_cast<const float*>(a.k);
@@ -176,6 +180,13 @@ void mla_attention_fwd_cpu(const AttentionArgs& a) {
           if (alpha != 1.0f) scale_row(&acc[r * Dv], &acc[r * Dv], Dv, alpha);
         }
         sgemm(false, false, nq, Dv, nk, 1.0f, S.data(), kFK, v + (k0 * H + w.h) * Dv, H * Dv, 1.0f, acc.data(), Dv);
+        if (a.probs != nullptr) {  // one key block (max_seqlen <= kFK): the final probabilities are S / l
+          for (int64_t r = 0; r < nq; ++r) {
+            float* row = a.probs + (w.h * T + q0 + r) * a.probs_ld;
+            scale_row(row, &S[r * kFK], nk, 1.0f / l[r]);
+            std::fill(row + nk, row + a.probs_ld, 0.0f);  // later keys and past the sequence: 0
+          }
+        }
       }
       for (int64_t r = 0; r < nq; ++r) {
         const int64_t t = q0 + r;
@@ -193,6 +204,8 @@ void mla_attention_bwd_cpu(const AttentionBackwardArgs& a) {
   validate(a);
   K2_CHECK(a.dtype == DType::kFloat32, "mla_attention_backward (CPU kernel): float32 only");
   check_cu_seqlens(a.cu_seqlens, a.B, a.T, a.max_seqlen);
+  K2_CHECK(a.probs == nullptr || (a.max_seqlen <= kProbsMaxSeqlen && a.probs_ld >= a.max_seqlen),
+           "mla_attention_backward: kept probabilities need max_seqlen <= " + std::to_string(kProbsMaxSeqlen));
   const int64_t H = a.H, Dk = a.Dk, Dv = a.Dv, T = a.T;
   const float* q = static_cast<const float*>(a.q);
   const float* k = static_cast<const float*>(a.k);
@@ -239,13 +252,21 @@ void mla_attention_bwd_cpu(const AttentionBackwardArgs& a) {
           const int64_t nq = std::min(bq, L - i0), q0 = s0 + i0;
           const float* Qi = q + (q0 * H + h) * Dk;
           const float* dOi = dO + (q0 * H + h) * Dv;
-          sgemm(false, true, nq, nk, Dk, a.scale, Qi, H * Dk, Kj, H * Dk, 0.0f, P.data(), kBK);
-          if (a.causal && k0 + nk - 1 > q0) mask_block(P.data(), kBK, nq, nk, q0, k0);
-          for (int64_t r = 0; r < nq; ++r) exp_sub(&P[r * kBK], nk, a.lse[h * T + q0 + r]);
-          sgemm(true, false, nk, Dv, nq, 1.0f, P.data(), kBK, dOi, H * Dv, 1.0f, dVj, H * Dv);  // dV += P^T dO
+          // P: the forward's kept probabilities, or recomputed from q k^T and the saved LSE
+          const float* Pb = P.data();
+          int64_t ldp = kBK;
+          if (a.probs != nullptr) {
+            Pb = a.probs + (h * T + q0) * a.probs_ld + j0;
+            ldp = a.probs_ld;
+          } else {
+            sgemm(false, true, nq, nk, Dk, a.scale, Qi, H * Dk, Kj, H * Dk, 0.0f, P.data(), kBK);
+            if (a.causal && k0 + nk - 1 > q0) mask_block(P.data(), kBK, nq, nk, q0, k0);
+            for (int64_t r = 0; r < nq; ++r) exp_sub(&P[r * kBK], nk, a.lse[h * T + q0 + r]);
+          }
+          sgemm(true, false, nk, Dv, nq, 1.0f, Pb, ldp, dOi, H * Dv, 1.0f, dVj, H * Dv);  // dV += P^T dO
           sgemm(false, true, nq, nk, Dv, 1.0f, dOi, H * Dv, Vj, H * Dv, 0.0f, dP.data(), kBK);  // dP = dO V^T
           for (int64_t r = 0; r < nq; ++r)  // dS = P * (dP - delta), kept in dP
-            softmax_grad_row(&dP[r * kBK], &P[r * kBK], nk, delta[i0 + r]);
+            softmax_grad_row(&dP[r * kBK], Pb + r * ldp, nk, delta[i0 + r]);
           sgemm(true, false, nk, Dk, nq, a.scale, dP.data(), kBK, Qi, H * Dk, 1.0f, dKj, H * Dk);  // dK += s dS^T Q
           sgemm(false, false, nq, Dk, nk, a.scale, dP.data(), kBK, Kj, H * Dk, 1.0f, dq + (q0 * H + h) * Dk,
                 H * Dk);  // dQ += s dS K

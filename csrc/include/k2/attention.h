@@ -31,7 +31,16 @@ struct AttentionArgs {
   float* max_logit;           // [H] out: max logit of head h over every (query, key) pair that
                               // may attend, over the whole batch; -inf when there is none.
                               // nullptr: not computed (to measure what the output costs)
+  // CPU, optional (nullptr: not kept): the softmax probabilities, row (h, t) at
+  // probs + (h * T + t) * probs_ld, column j = key j of t's sequence, for the backward to reuse
+  // instead of recomputing q k^T and the exponentials. Needs max_seqlen <= kProbsMaxSeqlen (one
+  // key block per query block). Masked keys and columns past the sequence hold 0.
+  float* probs = nullptr;
+  int64_t probs_ld = 0;
 };
+
+// Longest sequence whose probabilities the CPU forward can keep (its key block size).
+constexpr int64_t kProbsMaxSeqlen = 256;
 
 struct AttentionBackwardArgs {
   const void* q;              // [T, H, Dk]
@@ -48,6 +57,8 @@ struct AttentionBackwardArgs {
   void* dq;                   // [T, H, Dk] out
   void* dk;                   // [T, H, Dk] out
   void* dv;                   // [T, H, Dv] out
+  const float* probs = nullptr;  // CPU, optional: the forward's kept probabilities (AttentionArgs)
+  int64_t probs_ld = 0;
 };
 
 // Checks shared by both devices (head dims multiples of 16 up to 256, dtype, sizes).

@@ -219,7 +219,50 @@ def test_opcheck():
     T, H, Dk, Dv = 20, 2, 64, 32
     q, k, v, _ = make(T, H, Dk, Dv, seed=1)
     c = cu([12, 8])
-    torch.library.opcheck(torch.ops.k2.mla_attention.default, (q, k, v, c, 12, Dk**-0.5, True))
+    for keep in (False, True):
+        torch.library.opcheck(torch.ops.k2.mla_attention.default, (q, k, v, c, 12, Dk**-0.5, True, keep))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.library.opcheck(torch.ops.k2.mla_attention.default, (*leaves, c, 12, Dk**-0.5, True, True))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_kept_probabilities_give_the_recomputed_gradients(causal):
+    """Short sequences keep the forward's probabilities for the backward (attention_ops.
+    PROBS_MAX_SEQLEN); gradients equal the recomputing backward's to fp32 rounding and the float64
+    reference's within the usual bound; the kept probabilities are the softmax (upper part 0)."""
+    from k2_kernels import attention_ops
+
+    T, H, Dk, Dv = 300, 3, 192, 128
+    lengths = [256, 1, 43]
+    q, k, v, dout = make(T, H, Dk, Dv, seed=7)
+    c = cu(lengths)
+    assert attention_ops._keeps_probs(q, k, v, 256) and not attention_ops._keeps_probs(q, k, v, 257)
+    q, k, v = (t.detach() for t in (q, k, v))
+
+    def rel_err(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    grads = {}
+    for keep in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse, mx, probs = torch.ops.k2.mla_attention(*leaves, c, 256, Dk**-0.5, causal, keep)
+        assert probs.shape == ((H, T, 256) if keep else (0,))
+        out.backward(dout)
+        grads[keep] = [t.grad for t in leaves]
+        if keep:  # the first sequence's probabilities: softmax of its scaled logits
+            s = torch.einsum("qhd,khd->hqk", q[:256].double(), k[:256].double()) * Dk**-0.5
+            if causal:
+                s = s.masked_fill(torch.ones(256, 256, dtype=torch.bool).triu(1), float("-inf"))
+            want = s.softmax(-1)
+            got = probs[:, :256, :256].double()
+            tri = torch.ones(256, 256, dtype=torch.bool).tril() if causal else torch.ones(256, 256, dtype=torch.bool)
+            assert rel_err(got[:, tri], want[:, tri]) <= 1e-5
+    for a, b in zip(grads[True], grads[False]):
+        assert rel_err(a, b) <= 1e-6
+    ref = [t.double().requires_grad_() for t in (q, k, v)]  # q, k, v are detached here
+    reference.mla_attention(*ref, c, Dk**-0.5, causal)[0].backward(dout.double())
+    for a, b in zip(grads[True], ref):
+        assert rel_err(a, b.grad) <= 1e-5
 
 
 def test_consumers_choose_cpu_kernels_only_with_openblas(monkeypatch):

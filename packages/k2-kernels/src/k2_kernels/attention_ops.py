@@ -77,24 +77,50 @@ def _as_kernel_input(t: Tensor, backend: str) -> Tensor:
     return (t.float() if backend == "cpu" else t).contiguous()
 
 
+# The CPU forward can keep the softmax probabilities for sequences up to this long (one key block per
+# query block), so that the backward reuses them instead of recomputing q k^T and the exponentials:
+# the backward's QK^T product is ~23% of its FLOPs (measured at B = 4, S = 256, H = 4: backward
+# 7.4 -> 5.8 ms per layer). The cost is H * T * max_seqlen fp32 (4 MB per layer there), which is
+# why longer sequences keep memory linear in S instead.
+PROBS_MAX_SEQLEN = 256
+
+
+def _keeps_probs(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, max_seqlen: int) -> bool:
+    """Whether a differentiable CPU-kernel call keeps its probabilities for the backward."""
+    return (
+        torch.is_grad_enabled() and any(t.requires_grad for t in (q_THD, k_THD, v_THV))
+        and q_THD.device.type == "cpu" and q_THD.dtype in _KERNEL_DTYPES and max_seqlen <= PROBS_MAX_SEQLEN
+        and kernel_serves(q_THD.device, q_THD.shape[-1], v_THV.shape[-1])
+    )  # fmt: skip
+
+
 @torch.library.custom_op("k2::mla_attention", mutates_args=())
 def _mla_attention(
     q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, cu_seqlens_B1: Tensor, max_seqlen: int, softmax_scale: float,
-    causal: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+    causal: bool, keep_probs: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, max_logit, probs): probs [H, T, max_seqlen] when keep_probs (CPU kernel only), else
+    an empty tensor."""
     _check(q_THD, k_THD, v_THV, cu_seqlens_B1)
     T, H, Dk = q_THD.shape
     Dv = v_THV.shape[-1]
     backend = _use_kernel(q_THD, Dk, Dv)
+    if keep_probs and (backend != "cpu" or max_seqlen > PROBS_MAX_SEQLEN):
+        raise ValueError(
+            f"mla_attention: keep_probs needs the CPU kernel and max_seqlen <= {PROBS_MAX_SEQLEN} "
+            f"(got {q_THD.device.type}, max_seqlen {max_seqlen})"
+        )
     if backend is None:
         with torch.no_grad():
-            return reference.mla_attention(q_THD, k_THD, v_THV, cu_seqlens_B1, softmax_scale, causal)
+            out = reference.mla_attention(q_THD, k_THD, v_THV, cu_seqlens_B1, softmax_scale, causal)
+        return (*out, q_THD.new_empty(0, dtype=torch.float32))
     q, k, v = (_as_kernel_input(t, backend) for t in (q_THD, k_THD, v_THV))
     cu = cu_seqlens_B1.to(torch.int32).contiguous()
     dev = q.device
     out = torch.empty(T, H, Dv, dtype=q.dtype, device=dev)
     lse_HT = torch.empty(H, T, dtype=torch.float32, device=dev)
     max_logit_H = torch.empty(H, dtype=torch.float32, device=dev)
+    probs_HTL = torch.empty((H, T, max_seqlen) if keep_probs else (0,), dtype=torch.float32, device=dev)
     args = (
         q.data_ptr(), k.data_ptr(), v.data_ptr(), _lib.DTYPE_TAG[q.dtype], cu.data_ptr(), T, H, cu.numel() - 1,
         Dk, Dv, int(max_seqlen), float(softmax_scale), bool(causal), out.data_ptr(), lse_HT.data_ptr(),
@@ -103,28 +129,30 @@ def _mla_attention(
     C = _lib.compiled()
     if backend == "cpu":
         C.set_num_threads(torch.get_num_threads())  # torch.set_num_threads governs the kernel too
-        C.mla_attention_fwd_cpu(*args)
+        C.mla_attention_fwd_cpu(*args, probs_HTL.data_ptr() if keep_probs else 0, int(max_seqlen))
     else:
         C.mla_attention_fwd_cuda(*_stream(q), *args)
-    return out.to(q_THD.dtype), lse_HT, max_logit_H
+    return out.to(q_THD.dtype), lse_HT, max_logit_H, probs_HTL
 
 
 @_mla_attention.register_fake
-def _(q_THD, k_THD, v_THV, cu_seqlens_B1, max_seqlen, softmax_scale, causal):
+def _(q_THD, k_THD, v_THV, cu_seqlens_B1, max_seqlen, softmax_scale, causal, keep_probs):
     _check(q_THD, k_THD, v_THV, cu_seqlens_B1)
     T, H, _ = q_THD.shape
     return (
         v_THV.new_empty(T, H, v_THV.shape[-1]),
         q_THD.new_empty(H, T, dtype=torch.float32),
         q_THD.new_empty(H, dtype=torch.float32),
+        q_THD.new_empty((H, T, max_seqlen) if keep_probs else (0,), dtype=torch.float32),
     )
 
 
 @torch.library.custom_op("k2::mla_attention_backward", mutates_args=())
 def _mla_attention_backward(
     dout_THV: Tensor, q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, out_THV: Tensor, lse_HT: Tensor,
-    cu_seqlens_B1: Tensor, max_seqlen: int, softmax_scale: float, causal: bool,
+    cu_seqlens_B1: Tensor, max_seqlen: int, softmax_scale: float, causal: bool, probs_HTL: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv); probs_HTL: the forward's kept probabilities (CPU kernel), or empty to recompute."""
     T, H, Dk = q_THD.shape
     Dv = v_THV.shape[-1]
     backend = _use_kernel(q_THD, Dk, Dv)
@@ -142,8 +170,11 @@ def _mla_attention_backward(
     )  # fmt: skip
     C = _lib.compiled()
     if backend == "cpu":
+        keep = probs_HTL.numel() > 0
+        if keep and tuple(probs_HTL.shape) != (H, T, max_seqlen):
+            raise ValueError(f"mla_attention_backward: probs must be [H, T, max_seqlen], got {tuple(probs_HTL.shape)}")
         C.set_num_threads(torch.get_num_threads())
-        C.mla_attention_bwd_cpu(*args)
+        C.mla_attention_bwd_cpu(*args, probs_HTL.contiguous().data_ptr() if keep else 0, int(max_seqlen))
     else:
         ws = torch.empty(C.mla_attention_bwd_workspace_bytes(T, H, Dk), dtype=torch.uint8, device=q.device)
         C.mla_attention_bwd_cuda(*_stream(q), *args, ws.data_ptr())
@@ -151,28 +182,28 @@ def _mla_attention_backward(
 
 
 @_mla_attention_backward.register_fake
-def _(dout_THV, q_THD, k_THD, v_THV, out_THV, lse_HT, cu_seqlens_B1, max_seqlen, softmax_scale, causal):
+def _(dout_THV, q_THD, k_THD, v_THV, out_THV, lse_HT, cu_seqlens_B1, max_seqlen, softmax_scale, causal, probs_HTL):
     return torch.empty_like(q_THD), torch.empty_like(k_THD), torch.empty_like(v_THV)
 
 
 def _setup_context(ctx, inputs, output):
-    q_THD, k_THD, v_THV, cu_seqlens_B1, max_seqlen, softmax_scale, causal = inputs
-    out_THV, lse_HT, max_logit_H = output
-    ctx.save_for_backward(q_THD, k_THD, v_THV, out_THV, lse_HT, cu_seqlens_B1)
+    q_THD, k_THD, v_THV, cu_seqlens_B1, max_seqlen, softmax_scale, causal, _keep = inputs
+    out_THV, lse_HT, max_logit_H, probs_HTL = output
+    ctx.save_for_backward(q_THD, k_THD, v_THV, out_THV, lse_HT, cu_seqlens_B1, probs_HTL)
     ctx.max_seqlen, ctx.softmax_scale, ctx.causal = max_seqlen, softmax_scale, causal
-    ctx.mark_non_differentiable(lse_HT, max_logit_H)
+    ctx.mark_non_differentiable(lse_HT, max_logit_H, probs_HTL)
     ctx.set_materialize_grads(False)  # no zero tensors for the non-differentiable outputs
 
 
-def _backward(ctx, dout_THV, _dlse, _dmax):
-    q_THD, k_THD, v_THV, out_THV, lse_HT, cu_seqlens_B1 = ctx.saved_tensors
+def _backward(ctx, dout_THV, _dlse, _dmax, _dprobs):
+    q_THD, k_THD, v_THV, out_THV, lse_HT, cu_seqlens_B1, probs_HTL = ctx.saved_tensors
     if dout_THV is None:
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
     dq, dk, dv = torch.ops.k2.mla_attention_backward(
         dout_THV.contiguous(), q_THD, k_THD, v_THV, out_THV, lse_HT, cu_seqlens_B1, ctx.max_seqlen,
-        ctx.softmax_scale, ctx.causal,
+        ctx.softmax_scale, ctx.causal, probs_HTL,
     )  # fmt: skip
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 _mla_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -209,6 +240,8 @@ def mla_attention(
         max_seqlen = int((cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]).max()) if cu_seqlens_B1.numel() > 1 else 0
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q_THD.shape[-1])
-    return _mla_attention(
-        q_THD, k_THD, v_THV, cu_seqlens_B1, int(max_seqlen), float(softmax_scale), bool(causal)
+    keep = _keeps_probs(q_THD, k_THD, v_THV, int(max_seqlen))
+    out, lse, max_logit, _probs = _mla_attention(
+        q_THD, k_THD, v_THV, cu_seqlens_B1, int(max_seqlen), float(softmax_scale), bool(causal), keep
     )
+    return out, lse, max_logit
