@@ -68,11 +68,10 @@ K2_ISA_CLONES void bwd_rows(const RmsNormBackwardArgs& a, int64_t lo, int64_t hi
   }
 }
 
-}  // namespace
-
-void rms_norm_fwd_cpu(const RmsNormArgs& a) {
-  K2_CHECK(a.N >= 0 && a.D >= 1, "rms_norm: need N >= 0 and D >= 1");
-  const int threads = num_threads();
+// fn(lo, hi, tid) on one static block of the N rows per thread: per-thread partial sums are then
+// the same for a given thread count, whatever the scheduling.
+template <typename F>
+void row_blocks(int64_t N, int threads, F&& fn) {
 #pragma omp parallel num_threads(threads)
   {
 #ifdef _OPENMP
@@ -80,8 +79,15 @@ void rms_norm_fwd_cpu(const RmsNormArgs& a) {
 #else
     const int tid = 0, nt = 1;
 #endif
-    fwd_rows(a, a.N * tid / nt, a.N * (tid + 1) / nt);
+    fn(N * tid / nt, N * (tid + 1) / nt, tid);
   }
+}
+
+}  // namespace
+
+void rms_norm_fwd_cpu(const RmsNormArgs& a) {
+  K2_CHECK(a.N >= 0 && a.D >= 1, "rms_norm: need N >= 0 and D >= 1");
+  row_blocks(a.N, num_threads(), [&](int64_t lo, int64_t hi, int) { fwd_rows(a, lo, hi); });
 }
 
 void rms_norm_bwd_cpu(const RmsNormBackwardArgs& a) {
@@ -89,16 +95,9 @@ void rms_norm_bwd_cpu(const RmsNormBackwardArgs& a) {
   const int64_t N = a.N, D = a.D;
   const int threads = num_threads();
   std::vector<float> partial(a.dw != nullptr ? size_t(threads) * size_t(D) : 0, 0.0f);
-#pragma omp parallel num_threads(threads)
-  {
-#ifdef _OPENMP
-    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-    const int tid = 0, nt = 1;
-#endif
-    // a static block of rows per thread
-    bwd_rows(a, N * tid / nt, N * (tid + 1) / nt, a.dw != nullptr ? partial.data() + size_t(tid) * size_t(D) : nullptr);
-  }
+  row_blocks(N, threads, [&](int64_t lo, int64_t hi, int tid) {
+    bwd_rows(a, lo, hi, a.dw != nullptr ? partial.data() + size_t(tid) * size_t(D) : nullptr);
+  });
   if (a.dw != nullptr) {
     for (int64_t d = 0; d < D; ++d) a.dw[d] = 0.0f;
     for (int t = 0; t < threads; ++t)

@@ -51,14 +51,6 @@ def make_weight(E, K, M, transposed, seed):
     return torch.randn(E, K, M, generator=gen).requires_grad_(), lambda p: p
 
 
-@pytest.fixture(params=[1, 2, 3], ids=lambda t: f"threads{t}")
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(params=[16, 0, 7], ids=lambda c: f"panel{c}")
 def panel(request):
     """Column-panel width of the few-row GEMMs (k2::sgemm_few_rows): the default, one BLAS call,

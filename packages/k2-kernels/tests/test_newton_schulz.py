@@ -68,14 +68,6 @@ def plain_ns(X: torch.Tensor, coeffs) -> torch.Tensor:
     return X.mT if t else X
 
 
-@pytest.fixture(params=[1, 2], ids=lambda t: f"threads{t}")
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
-
-
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("shape", CPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_cpu_fp32_matches_reference(shape, schedule, threads):

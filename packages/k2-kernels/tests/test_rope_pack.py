@@ -28,14 +28,6 @@ def inputs(T=45, H=3, P=16, R=8, V=12, C=20, dtype=torch.float32, seed=0):
     return q, kv, k_rope, pos.cos() * 1.3, pos.sin() * 1.3, P
 
 
-@pytest.fixture(params=[1, 2, 3], ids=lambda t: f"threads{t}")
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
-
-
 @pytest.mark.skipif(not KERNEL, reason="k2_kernels._C without the rope-pack kernel")
 def test_forward_is_bit_identical_to_the_composition(threads):
     args = inputs()
