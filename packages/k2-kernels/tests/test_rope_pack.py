@@ -53,7 +53,9 @@ def test_gradients_match_autograd_through_the_composition(shape, threads):
 def test_fallback_backward_gradchecks_in_float64():
     q, kv, kr, cos, sin, P = inputs(T=6, H=2, P=3, R=4, V=2, C=3, dtype=torch.float64)
     leaves = [t.detach().clone().requires_grad_() for t in (q, kv, kr)]
-    assert torch.autograd.gradcheck(lambda a, b, c: mla_rope_pack(a, b, c, cos.double(), sin.double(), P), leaves)
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: mla_rope_pack(a, b, c, cos.double(), sin.double(), P), leaves
+    )
 
 
 def test_bf16_runs_the_reference():

@@ -29,7 +29,9 @@ def _serves(*ts: Tensor) -> bool:
     )  # fmt: skip
 
 
-def _check(q_THX: Tensor, kv_THY: Tensor, k_rope_TR: Tensor, cos_TR2: Tensor, sin_TR2: Tensor, P: int) -> None:
+def _check(
+    q_THX: Tensor, kv_THY: Tensor, k_rope_TR: Tensor, cos_TR2: Tensor, sin_TR2: Tensor, P: int
+) -> None:
     if q_THX.dim() != 3 or kv_THY.dim() != 3 or k_rope_TR.dim() != 2:
         raise ValueError(
             "mla_rope_pack: need q [T, H, P + R], kv [T, H, P + V], k_rope [T, R]; got "
@@ -115,7 +117,11 @@ def _mla_rope_pack_backward(
 def _(dq_THD, dk_THD, dv_THV, cos_TR2, sin_TR2, nope_dim):
     T, H, Dh = dq_THD.shape
     V = dv_THV.shape[2]
-    return dq_THD.new_empty(T, H, Dh), dq_THD.new_empty(T, H, nope_dim + V), dq_THD.new_empty(T, Dh - nope_dim)
+    return (
+        dq_THD.new_empty(T, H, Dh),
+        dq_THD.new_empty(T, H, nope_dim + V),
+        dq_THD.new_empty(T, Dh - nope_dim),
+    )
 
 
 def _setup_context(ctx, inputs, output):
@@ -126,7 +132,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dq_THD, dk_THD, dv_THV):
     cos_TR2, sin_TR2 = ctx.saved_tensors
-    dq, dkv, dk_rope = torch.ops.k2.mla_rope_pack_backward(dq_THD, dk_THD, dv_THV, cos_TR2, sin_TR2, ctx.nope_dim)
+    dq, dkv, dk_rope = torch.ops.k2.mla_rope_pack_backward(
+        dq_THD, dk_THD, dv_THV, cos_TR2, sin_TR2, ctx.nope_dim
+    )
     g = ctx.needs_input_grad
     return (dq if g[0] else None), (dkv if g[1] else None), (dk_rope if g[2] else None), None, None, None
 
