@@ -1,6 +1,8 @@
 """Fused MLA attention (k2_kernels.ops.mla_attention) vs its anchors: time and peak memory, in one run.
 
     .venv/bin/python benchmarks/attention.py [--seqs 512,1024,2048,4096] [--heads 8] [--repeats 3]
+    .venv/bin/python benchmarks/attention.py --seqs 256 --heads 16 --repeats 15 --no-memory
+        # short sequences: also times the backward recomputing q k^T (vs reusing kept probabilities)
     python -P benchmarks/attention.py --device cuda            # GPU rows (scripts/gpu_check.sh)
 
 Shapes are MLA's training shapes: q/k head dim 192 (128 nope + 64 rope), v head dim 128, causal,
@@ -43,7 +45,7 @@ from collections.abc import Callable  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from k2_kernels import info as kernels_info  # noqa: E402
-from k2_kernels import ops, reference  # noqa: E402
+from k2_kernels import attention_ops, ops, reference  # noqa: E402
 
 DK, DV = 192, 128
 IMPLS = ("ours", "eager", "sdpa", "sdpa+max")
@@ -62,10 +64,18 @@ def step_fn(impl: str, q, k, v, dout) -> Callable[[], None]:
     """One forward + backward of `impl` on fresh leaf tensors (gradients are freed each call)."""
     S, H, _ = q.shape
     scale = DK**-0.5
-    if impl == "ours":
+    if impl in ("ours", "ours-recompute"):
+        # ours-recompute: the backward recomputes q k^T instead of reusing the probabilities the
+        # forward keeps for short sequences (attention_ops.PROBS_MAX_SEQLEN), to show what that saves
+        keep_max = 0 if impl == "ours-recompute" else attention_ops.PROBS_MAX_SEQLEN
+
         def run() -> None:
             qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-            out, _, _ = ops.mla_attention(qq, kk, vv, softmax_scale=scale)
+            saved, attention_ops.PROBS_MAX_SEQLEN = attention_ops.PROBS_MAX_SEQLEN, keep_max
+            try:
+                out, _, _ = ops.mla_attention(qq, kk, vv, softmax_scale=scale)
+            finally:
+                attention_ops.PROBS_MAX_SEQLEN = saved
             out.backward(dout)
         return run
     if impl == "eager":
@@ -151,6 +161,8 @@ def cpu_main(args: argparse.Namespace) -> None:
         print(f"# measuring S={S} ...", file=sys.stderr, flush=True)  # the table comes at the end
         q, k, v, dout = make_inputs(S, args.heads, "cpu", torch.float32)
         impls = [i for i in IMPLS if not (i == "eager" and S > args.max_eager)]
+        if S <= attention_ops.PROBS_MAX_SEQLEN:
+            impls.append("ours-recompute")
         t = time_interleaved({i: step_fn(i, q, k, v, dout) for i in impls}, args.repeats)
         mem = {i: measure_peak(i, S, args.heads, threads) for i in impls} if not args.no_memory else {}
         fwd, bwd = fwd_bwd_flops(S, args.heads)
@@ -167,6 +179,10 @@ def cpu_main(args: argparse.Namespace) -> None:
             f"| {S} | {' | '.join(cells)} | {r_eager} | {t['ours'] / t['sdpa']:.2f} | {gflop / t['ours']:.0f} "
             f"| {' | '.join(mbs)} |"
         )
+    for S, t, _, _ in rows:
+        if "ours-recompute" in t:
+            print(f"S={S}: ours keeps the forward's probabilities; with the backward recomputing them instead: "
+                  f"{t['ours-recompute']:.4f} s ({t['ours'] / t['ours-recompute']:.2f}x)")
     print("\nratios: lower is better (ours / anchor); targets: < 1 vs eager everywhere, <= 1 vs sdpa for S >= 2048")
 
 
