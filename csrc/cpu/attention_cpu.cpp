@@ -16,6 +16,7 @@
 #include "k2/attention.h"
 #include "k2/blas.h"
 #include "k2/cpu_math.h"
+#include "k2/cpu_rows.h"
 #include "k2/threads.h"
 
 namespace k2 {
@@ -65,22 +66,10 @@ K2_ISA_CLONES void exp_sub(float* s, int64_t n, float lse) {
   for (int64_t c = 0; c < n; ++c) s[c] = softmax_exp(s[c] - lse);
 }
 
-K2_ISA_CLONES void scale_row(float* o, const float* x, int64_t n, float a) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) o[d] = x[d] * a;
-}
-
 // ds = p * (ds - delta)
 K2_ISA_CLONES void softmax_grad_row(float* ds, const float* p, int64_t n, float delta) {
 #pragma omp simd
   for (int64_t c = 0; c < n; ++c) ds[c] = p[c] * (ds[c] - delta);
-}
-
-K2_ISA_CLONES float dot(const float* x, const float* y, int64_t n) {
-  float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t d = 0; d < n; ++d) acc += x[d] * y[d];
-  return acc;
 }
 
 // Causal mask of a score block whose rows are queries qpos.. and columns keys kpos..: query
@@ -238,7 +227,7 @@ void mla_attention_bwd_cpu(const AttentionBackwardArgs& a) {
       // delta_t = dot(dout_t, out_t): the softmax backward's row term
       delta.assign(L, 0.0f);
       for (int64_t t = 0; t < L; ++t) {
-        delta[t] = dot(dO + ((s0 + t) * H + h) * Dv, o + ((s0 + t) * H + h) * Dv, Dv);
+        delta[t] = dot_row(dO + ((s0 + t) * H + h) * Dv, o + ((s0 + t) * H + h) * Dv, Dv);
       }
       for (int64_t t = 0; t < L; ++t) {  // zero this item's rows of dq, dk, dv
         std::fill_n(dq + ((s0 + t) * H + h) * Dk, Dk, 0.0f);

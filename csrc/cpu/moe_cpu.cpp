@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "k2/cpu_math.h"
+#include "k2/cpu_rows.h"
 #include "k2/moe.h"
 
 namespace k2 {
@@ -176,27 +177,6 @@ inline void from_f32(float x, float* o) { *o = x; }
 inline void from_f32(float x, BF16* o) { o->v = f32_to_bf16(x); }
 inline void from_f32(float x, F16* o) { o->v = f32_to_f16(x); }
 
-// fp32 rows, compiled per ISA (the baseline build is SSE2): acc += w * y (product rounded, then
-// added: -ffp-contract=off keeps the multiply and add separate, as index_add computes them).
-K2_ISA_CLONES void scaled_add_row(float* acc, const float* y, float w, int64_t D) {
-  int64_t d = 0;
-  for (; d + 8 <= D; d += 8) store8(acc + d, load8(acc + d) + w * load8(y + d));
-  for (; d < D; ++d) acc[d] += w * y[d];
-}
-K2_ISA_CLONES void scale_row(float* out, const float* g, float w, int64_t D) {
-  int64_t d = 0;
-  for (; d + 8 <= D; d += 8) store8(out + d, w * load8(g + d));
-  for (; d < D; ++d) out[d] = w * g[d];
-}
-K2_ISA_CLONES float dot_row(const float* a, const float* b, int64_t D) {
-  v8f acc{};  // lane-wise partial sums: within rounding of the serial order
-  int64_t d = 0;
-  for (; d + 8 <= D; d += 8) acc += load8(a + d) * load8(b + d);
-  float s = hsum8(acc);
-  for (; d < D; ++d) s += a[d] * b[d];
-  return s;
-}
-
 template <typename Y>
 void unpermute_impl(const UnpermuteArgs& a, const std::vector<int32_t>& slot_to_row) {
   const int64_t T = a.T, K = a.K, D = a.D;
@@ -223,7 +203,7 @@ void unpermute_impl(const UnpermuteArgs& a, const std::vector<int32_t>& slot_to_
         const Y* yr = y + int64_t(rows[k]) * a.y_row_stride;
         const float wk = w[k];
         if constexpr (std::is_same_v<Y, float>) {
-          scaled_add_row(acc.data(), yr, wk, D);
+          scaled_add_row(acc.data(), yr, D, wk);  // product rounded, then added
           continue;
         }
         for (int64_t d = 0; d < D; ++d) {
@@ -275,7 +255,7 @@ void unpermute_backward_impl(const UnpermuteBackwardArgs& a) {
     if (gy != nullptr) {
       const float w = load_f32(a.weight, a.weight_dtype, s);
       if constexpr (std::is_same_v<Y, float>)
-        scale_row(gy + n * D, gr, w, D);
+        scale_row(gy + n * D, gr, D, w);
       else
         for (int64_t d = 0; d < D; ++d) from_f32(w * to_f32(gr[d]), gy + n * D + d);
     }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+from k2_kernels.reference import rope_interleaved
 from torch import Tensor
 
 from k2_model.config import K2Config
@@ -72,6 +73,4 @@ def apply_rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
     Returns [..., R] laid out as [rotated evens, rotated odds].
     """
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rope_interleaved(x, cos.to(x.dtype), sin.to(x.dtype))  # k2-kernels' definition, shared
