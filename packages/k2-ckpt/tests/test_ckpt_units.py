@@ -176,6 +176,28 @@ def test_module_adapter_dequantizes_fp8_block_scaled_weights(scale_first):
     assert torch.equal(dequantize_fp8_blocks(w, s), ref)
 
 
+@pytest.mark.parametrize("assign", [False, True])
+@pytest.mark.parametrize("scale_first", [False, True])
+def test_module_adapter_loads_fp8_and_scale_into_an_fp8_engine(scale_first, assign):
+    # an engine that serves FP8 holds the weight and its block scale: both arrive unchanged
+    O, I = 200, 300
+    name = "model.layers.0.mlp.down_proj.weight"
+    spec = {name: ("float8_e4m3fn", [O, I]), name + "_scale_inv": ("float32", [2, 3])}
+    module = build_module(spec)
+    ad = ModuleAdapter(module, assign=assign)
+    new = {n: make_tensor(n, dt, sh, 5) for n, (dt, sh) in spec.items()}
+    for n, t in new.items():
+        ad.validate(n, t.dtype, tuple(t.shape))
+    with pytest.raises(TensorMismatch, match=r"_scale_inv'.*shape \(1, 1\)"):
+        ad.validate(name + "_scale_inv", torch.float32, (1, 1))
+    pairs = list(new.items())[::-1] if scale_first else list(new.items())
+    ad.commit_staged([(n, t.clone()) for n, t in pairs])
+    ad.post_load()  # no "without partner" error: nothing was held back for dequantisation
+    sd = module.state_dict()
+    for n, t in new.items():
+        assert sd[n].dtype == t.dtype and torch.equal(as_bytes(sd[n]), as_bytes(t)), n
+
+
 def test_module_adapter_reports_fp8_without_scale():
     module = build_module({"a.weight": ("float32", [4, 4])})
     ad = ModuleAdapter(module)

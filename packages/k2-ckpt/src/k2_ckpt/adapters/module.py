@@ -3,7 +3,8 @@
 Built for `K2ForCausalLM`-style models with DeepseekV3 (HF) names, but needs nothing from
 k2-model: it is a `load_state_dict`-like in-place copy, strict about dtype and shape, with
 one conversion: an FP8 `X.weight` with its block scale `X.weight_scale_inv` (128x128 blocks,
-as in the released K2/V3 checkpoints) is dequantised into a higher-precision `X.weight`.
+as in the released K2/V3 checkpoints) is dequantised into a higher-precision `X.weight`. An
+engine that itself holds `X.weight_scale_inv` (an FP8 engine) gets both tensors as they are.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class ModuleAdapter:
     def _name(self, name: str) -> str | None:
         return self.name_map(name) if self.name_map is not None else name
 
+    def _is_dequant_scale(self, mapped: str) -> bool:
+        """A block scale to fold into its weight: only when the engine has no tensor of that name."""
+        return mapped.endswith(SCALE_SUFFIX) and mapped not in self.targets
+
     def _target(self, name: str, orig: str) -> torch.Tensor | None:
         t = self.targets.get(name)
         if t is None and not self.ignore_unknown:
@@ -63,7 +68,7 @@ class ModuleAdapter:
         mapped = self._name(name)
         if mapped is None:
             return
-        if mapped.endswith(SCALE_SUFFIX):  # block scale of an FP8 weight
+        if self._is_dequant_scale(mapped):  # block scale of an FP8 weight the engine dequantises
             weight = self._target(mapped[: -len(SCALE_SUFFIX)], name)
             if weight is None:
                 return
@@ -87,7 +92,7 @@ class ModuleAdapter:
             mapped = self._name(name)
             if mapped is None:
                 continue
-            if mapped.endswith(SCALE_SUFFIX):
+            if self._is_dequant_scale(mapped):
                 wname = mapped[: -len(SCALE_SUFFIX)]
                 if wname in self._pending_fp8:
                     self._copy_dequant(wname, self._pending_fp8.pop(wname), src)
