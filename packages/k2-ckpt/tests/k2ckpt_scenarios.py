@@ -303,3 +303,142 @@ def engine_integrations(rank: int, world: int) -> dict:
     out["sglang_seen"] = sorted(runner.model.seen)
     ps.close()
     return out
+
+
+class _FaultyAdapter:
+    """ModuleAdapter(assign=True) whose next validate / post_load / load can be made to fail or stall."""
+
+    def __new__(cls, module, **kw):
+        from k2_ckpt.adapters import ModuleAdapter
+
+        class Faulty(ModuleAdapter):
+            fail_validate = fail_post = False
+            slow_load: tuple[str, float] | None = None
+
+            def validate(self, name, dtype, shape):
+                if self.fail_validate:
+                    self.fail_validate = False
+                    raise RuntimeError("injected staging failure")
+                super().validate(name, dtype, shape)
+
+            def load_weights(self, named):
+                named = list(named)
+                if self.slow_load and any(n == self.slow_load[0] for n, _ in named):
+                    delay, self.slow_load = self.slow_load[1], None
+                    time.sleep(delay)
+                super().load_weights(named)
+
+            def post_load(self):
+                super().post_load()
+                if self.fail_post:
+                    self.fail_post = False
+                    raise RuntimeError("injected commit failure")
+
+        return Faulty(module, **kw)
+
+
+def consistency(rank: int, world: int) -> dict:
+    """Receivers in the ranks' own processes (`req_on_all_ranks`), swapping staged tensors in
+    (assign=True), so their weights are views of the server's receive arenas. Each case ends
+    with a failed update, after which every engine must hold exactly one complete set."""
+    from k2_ckpt.harness import build_module
+    from k2_ckpt.worker import update_weights_from_ipc
+
+    names = [f"model.layers.{r}.w{i}" for r in range(world) for i in range(3)]
+    spec = {n: ("float32", [64, 64]) for n in names}
+    module = build_module(spec)
+    ad = _FaultyAdapter(module, assign=True)
+    ps = ParameterServer(config=ServerConfig(max_bucket_bytes=32 << 10, timeout_s=10))
+    mode = {"staged": True, "timeout_s": 10.0}
+
+    def register(name: str, value: float, keep=lambda n: True) -> None:
+        ps.register_checkpoint(name, named_tensors={n: torch.full((64, 64), value) for n in names
+                                                    if int(n.split(".")[2]) == rank and keep(n)})
+
+    def req(handles):
+        return update_weights_from_ipc(handles[ps.device_id], ad, staged=mode["staged"], timeout_s=mode["timeout_s"])
+
+    def values() -> dict[str, float]:  # every tensor is constant: one number each, or "mixed"
+        sd = module.state_dict()
+        return {n: float(sd[n][0, 0]) if bool((sd[n] == sd[n][0, 0]).all()) else "mixed" for n in names}
+
+    def update(name: str, **kw) -> str:
+        try:
+            ps.update(name, req, req_on_all_ranks=True, **kw)
+            return "ok"
+        except UpdateError as e:
+            return e.failures[0].kind
+
+    for v in (1, 2, 3, 4, 5, 6):
+        register(f"v{v}", float(v))
+    register("part", 7.0, keep=lambda n: not n.endswith("w2"))
+    out: dict = {}
+    out["v1"] = update("v1")
+    # 1. a direct-mode update (copies into the swapped-in tensors), then a failed staged one
+    mode["staged"] = False
+    out["v5"] = update("v5")
+    mode["staged"] = True
+    ad.fail_validate = rank == 1
+    out["v6"] = update("v6")
+    out["after_v6"] = values()
+    # 2. rank 1's commit fails after it swapped the tensors in: rank 0 committed v2
+    ad.fail_post = rank == 1
+    out["v2"] = update("v2")
+    out["after_v2"] = values()
+    ad.fail_validate = rank == 1  # then an update that fails before the commit
+    out["v3"] = update("v3")
+    out["after_v3"] = values()
+    # 3. a checkpoint without some tensors (w2): they keep their older values, and a later
+    # failed update must not overwrite them through the arena they used to view
+    out["part"] = update("part")
+    out["after_part"] = values()
+    ad.fail_validate = rank == 1
+    out["v4"] = update("v4")
+    out["after_v4"] = values()
+    # 4. the two-slot path in direct mode: rank 1's receiver stalls 2 s on one tensor, its
+    # server times out after 0.5 s and keeps broadcasting until the vote, but not into the
+    # slots the stalled receiver still reads: whatever it loads late is the right tensor
+    ps.config.cpu_receive_arena = False
+    mode["staged"] = False
+    slow = f"model.layers.0.w{1}"
+    ad.slow_load = (slow, 2.0) if rank == 1 else None
+    try:
+        ps.update("v1", req, req_on_all_ranks=True, timeout_s=0.5)
+        out["slow"] = "ok"
+    except UpdateError as e:
+        out["slow"] = e.failures[0].kind
+        out["slow_applied"] = {str(r): a for r, a in e.applied.items()}
+    time.sleep(2.5)  # the stalled receiver finishes what it was loading
+    out["after_slow"] = values()
+    ps.close()
+    return out
+
+
+def registration_errors(rank: int, world: int) -> dict:
+    """A registration that fails part-way frees what it had allocated (its /dev/shm arena)."""
+    import glob
+
+    from k2_ckpt.buffer import SHM_DIR
+    from k2_ckpt.errors import BadCheckpoint
+
+    def my_files() -> list[str]:
+        return sorted(glob.glob(os.path.join(SHM_DIR, f"k2ckpt-*-{os.getpid()}-*.buf")))
+
+    ps = _server()
+    before = my_files()
+    out: dict = {}
+    try:  # the second "x" fails after the arena for both was made
+        ps.register_checkpoint("dup", named_tensors=[("x", torch.zeros(1024)), ("x", torch.ones(1024))])
+    except BadCheckpoint as e:
+        out["error"] = str(e)
+    out["leaked"] = [f for f in my_files() if f not in before]
+    out["registered"] = ps.checkpoints()
+    ps.register_checkpoint("ok", named_tensors={"x": torch.zeros(1024)})
+    out["after_ok"] = len(my_files()) - len(before)
+    try:  # a timeout the server group's collectives could not wait out is refused up front
+        ps.update("ok", lambda handles: None, timeout_s=1e5)
+    except ValueError as e:
+        out["timeout_error"] = str(e)
+    ps.close()
+    out["after_close"] = len(my_files()) - len(before)
+    return out

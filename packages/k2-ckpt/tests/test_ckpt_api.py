@@ -61,9 +61,10 @@ def test_http_api_register_gather_update_delete_and_errors(tmp_path):
         assert again[0].status_code == 409 and "already registered" in again[0].json()["message"]
         missing = client.register_files("nope", [[os.path.join(run_dir, "missing.safetensors")]] * WORLD)
         assert missing[0].status_code == 404 and "missing.safetensors" in missing[0].json()["message"]
-        # bad body -> 422 from pydantic
+        # bad body -> 422 in the API's error shape, naming the field
         bad = client.update("v1", ranks="all")
         assert bad[0].status_code == 422
+        assert bad[0].json()["error"] == "bad_request" and "ranks" in bad[0].json()["message"]
         # gather metas: every tensor, with its owner
         metas = client.gather_metas("v1")
         got = {m["name"]: m for m in metas[0].json()["metas"]}
@@ -75,6 +76,15 @@ def test_http_api_register_gather_update_delete_and_errors(tmp_path):
         assert up[0].json()["nbytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
         assert up[0].json()["num_buckets"] > 1
         want = {n: digest(t) for n, t in tensors.items()}
+        for sock in recv:
+            assert _digests(sock) == want
+        # a receiver that is not there: the update fails within its timeout, naming the socket
+        nobody = os.path.join(run_dir, "nobody.sock")
+        t0 = time.monotonic()
+        gone = client.update("v1", update_uds=[nobody], timeout_s=3)
+        assert time.monotonic() - t0 < 15 and {u.status_code for u in gone} <= {502, 504}, gone[0].text
+        req_failure = [f for f in gone[0].json()["failures"] if f["kind"] == "req_func"]
+        assert req_failure and "nobody.sock" in req_failure[0]["traceback"], gone[0].json()
         for sock in recv:
             assert _digests(sock) == want
         # unknown checkpoint -> 404 on every rank

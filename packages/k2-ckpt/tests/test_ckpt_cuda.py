@@ -2,7 +2,8 @@
 H2D into the two-slot device buffer, NCCL broadcast (world size 1), CUDA IPC handoff to a
 spawned engine process on the same GPU, staged load. Verified bitwise (BLAKE2b of every
 tensor's bytes on the engine against the owner's registered bytes) for bf16, fp8 (e4m3, e5m2),
-fp16 and fp32. Skipped without a GPU (root conftest); run by scripts/gpu_check.sh.
+fp16 and fp32. Skipped without a GPU (root conftest); run by scripts/gpu_check.sh. The same
+scenario also runs on the CPU path (a dry run, everywhere).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # the spawned rank imports this module's scenario by name
 
-pytestmark = [pytest.mark.cuda, pytest.mark.dist]
+pytestmark = pytest.mark.dist  # the GPU tests are marked `cuda` one by one; the dry run is not
 
 DTYPES = ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float16", "float32"]
 BIG = "model.embed_tokens.weight"  # 400 KiB: larger than the 64 KiB bucket, split over several
@@ -90,12 +91,27 @@ def cuda_scenario(rank: int, world: int, run_dir: str, device: str = "cuda") -> 
         ps.update("v1", req)
         out["direct_bad"] = bad_tensors("v1")
         out["engine_dtypes"] = sorted({dt for dt, _ in spec.values()})
+
+        # a receiver in the server's own process (the README example): CUDA cannot open an IPC
+        # handle where it was made, so the receiver gets the server's buffer itself
+        from k2_ckpt.adapters import ModuleAdapter
+        from k2_ckpt.dtypes import as_bytes
+        from k2_ckpt.harness import build_module
+        from k2_ckpt.worker import update_weights_from_ipc
+
+        local = build_module(spec, dev)
+        ps.update("v2", lambda h: update_weights_from_ipc(h[ps.device_id], ModuleAdapter(local), device=dev),
+                  req_on_all_ranks=True)
+        want = {n: make_tensor(n, dt, sh, 2) for n, (dt, sh) in spec.items()}
+        sd = local.state_dict()
+        out["in_process_bad"] = sorted(n for n in spec if not torch.equal(as_bytes(sd[n].cpu()), as_bytes(want[n])))
         ps.close()
         return out
     finally:
         eng.stop()
 
 
+@pytest.mark.cuda
 def test_cuda_update_is_bitwise_exact_for_bf16_and_fp8_on_one_gpu(tmp_path):
     import test_ckpt_cuda as me  # by module name, so the spawned rank can unpickle the function
     from k2_ckpt.launch import run_world
@@ -113,8 +129,21 @@ def test_cuda_update_is_bitwise_exact_for_bf16_and_fp8_on_one_gpu(tmp_path):
     assert r["v2_bad"] == [] and r["v2_differs_from_v1"] == len(cuda_spec())
     assert r["v3_bad"] == [], "safetensors registration (pinned mmap) on CUDA"
     assert r["direct_bad"] == [], "direct mode on CUDA"
+    assert r["in_process_bad"] == [], "a receiver in the server's own process"
 
 
+def test_cuda_scenario_dry_run_on_cpu(tmp_path):
+    """The same steps on the CPU path, so the scenario itself is checked where there is no GPU."""
+    import test_ckpt_cuda as me
+    from k2_ckpt.launch import run_world
+
+    (r,) = run_world(1, me.cuda_scenario, (str(tmp_path), "cpu"), timeout_s=200)
+    assert r["v1_bad"] == r["v1_again_bad"] == r["v2_bad"] == r["v3_bad"] == r["direct_bad"] == []
+    assert r["fault"] == {"rank": 0, "kind": "worker_error", "tensor": VICTIM} and r["fault_old_kept"] == []
+    assert r["in_process_bad"] == []
+
+
+@pytest.mark.cuda
 def test_cuda_model_bench_verifies_and_reports_h2d():
     from k2_ckpt.bench import ModelBenchConfig, run_model_bench
 

@@ -61,3 +61,38 @@ def test_vllm_extension_and_sglang_path_load_through_engine_load_weights():
     (r,) = run_world(1, S.engine_integrations, (), timeout_s=90)
     assert r["vllm_equal"] and r["vllm_post_hook"] == [("model-config", "cpu")]
     assert r["sglang_equal"] and r["sglang_seen"] == ["model.b", "model.w"]
+
+
+def test_failed_updates_after_partial_commits_subsets_and_direct_mode_leave_one_complete_set():
+    results = run_world(2, S.consistency, (), timeout_s=150)
+    names = [f"model.layers.{r}.w{i}" for r in range(2) for i in range(3)]
+
+    def every(v):
+        return {n: v for n in names}
+
+    for rank, r in enumerate(results):
+        assert r["v1"] == "ok"
+        # a direct-mode update (v5), then a failed staged one (v6): v5 stays
+        assert r["v5"] == "ok" and r["v6"] == "worker_error" and r["after_v6"] == every(5.0), rank
+        # rank 1's commit failed after swapping v2 in: both engines hold v2, and the failed v3
+        # (its bytes broadcast before the failure) changes nothing anywhere
+        assert r["v2"] == "commit_worker_error" and r["after_v2"] == every(2.0), rank
+        assert r["v3"] == "worker_error" and r["after_v3"] == every(2.0), rank
+        # a subset update leaves w2 at v2; the failed v4 does not touch them either
+        part = {n: (2.0 if n.endswith("w2") else 7.0) for n in names}
+        assert r["part"] == "ok" and r["after_part"] == part, rank
+        assert r["v4"] == "worker_error" and r["after_v4"] == part, rank
+        # stalled direct-mode receiver on the slot path: times out, rank 1's applied set is
+        # unknown (None), and every tensor is either its old (v4 or, for w2, v2) or new (v1) value
+        assert r["slow"] == "timeout"
+        assert r["slow_applied"]["1"] is None
+        assert all(v == 1.0 or v == part[n] for n, v in r["after_slow"].items()), r["after_slow"]
+    assert set(results[0]["slow_applied"]["0"]) == set(names)  # rank 0's receiver loaded everything it got
+
+
+def test_a_failed_registration_leaves_no_shared_memory_behind():
+    (r,) = run_world(1, S.registration_errors, (), timeout_s=60)
+    assert "'x' registered twice" in r["error"]
+    assert r["leaked"] == [] and r["registered"] == []
+    assert r["after_ok"] == 1 and r["after_close"] == 0
+    assert "timeout_s=100000" in r["timeout_error"] and "collective_timeout_s" in r["timeout_error"]

@@ -124,6 +124,72 @@ def test_host_errors_name_the_file_and_tensor(tmp_path):
         ck.add_named_tensors({"x": torch.zeros(2)})
 
 
+def _safetensors_bytes(header: dict, data: bytes) -> bytes:
+    import json
+    import struct
+
+    head = json.dumps(header).encode()
+    return struct.pack("<Q", len(head)) + head + data
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 8]}, r"'w' spans 8 bytes, but F32 \[4, 4\] needs 64"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}, r"'w' has data_offsets \[8, 0\]"),
+    ({"dtype": "F32", "shape": [32], "data_offsets": [0, 128]}, r"'w' ends at byte \d+, past the file end"),
+])
+def test_safetensors_entries_must_match_their_byte_range(tmp_path, entry, message):
+    path = tmp_path / "lying.safetensors"
+    path.write_bytes(_safetensors_bytes({"w": entry}, bytes(64)))
+    with pytest.raises(BadCheckpoint, match="lying.safetensors") as e:
+        HostCheckpoint("c", rank=0).add_safetensors(path)
+    assert e.match(message)
+
+
+def test_stale_buffer_files_of_dead_processes_are_swept(tmp_path):
+    import os
+    import subprocess
+
+    from k2_ckpt.buffer import _pid_namespace, sweep_stale_files
+
+    ns = _pid_namespace()
+    if ns == "0":
+        pytest.skip("no /proc/self/ns/pid here")
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    files = {who: tmp_path / f"k2ckpt-{ns}-{pid}-0123abcd.buf" for who, pid in
+             (("dead", dead.pid), ("me", os.getpid()), ("init", 1))}
+    other_ns = tmp_path / f"k2ckpt-{ns}1-{dead.pid}-0123abcd.buf"  # another namespace: not ours to judge
+    for f in [*files.values(), other_ns]:
+        f.write_bytes(b"x")
+    assert sweep_stale_files(str(tmp_path)) == [str(files["dead"])]
+    assert not files["dead"].exists() and files["me"].exists() and files["init"].exists() and other_ns.exists()
+
+
+def test_assign_commit_gives_tensors_a_later_commit_does_not_carry_their_own_memory():
+    # the receiver stages views of the server's transfer buffer; once a commit without "b"
+    # lands, "b" must no longer live in that buffer (the server reuses it)
+    module = build_module({"a": ("float32", [8]), "b": ("float32", [8])})
+    ad = ModuleAdapter(module, assign=True)
+    arena = torch.arange(16, dtype=torch.float32)
+    ad.commit_staged([("a", arena[:8]), ("b", arena[8:])])
+    ad.post_load()
+    assert module.b.data_ptr() == arena[8:].data_ptr()  # swapped in: a view, no copy
+    ad.commit_staged([("a", torch.full((8,), -1.0))])
+    ad.post_load()
+    lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel() * 4
+    assert not lo <= module.b.data_ptr() < hi, "b still views the transfer buffer"
+    arena.fill_(99.0)  # the server overwrites the buffer with a later update
+    assert torch.equal(module.b, torch.arange(8.0, 16.0)) and torch.equal(module.a, torch.full((8,), -1.0))
+
+
+def test_module_adapter_abort_forgets_half_received_fp8_pairs():
+    module = build_module({"a.weight": ("float32", [4, 4])})
+    ad = ModuleAdapter(module)
+    ad.load_weights([("a.weight", make_tensor("a", "float8_e4m3fn", [4, 4], 1))])
+    ad.abort()  # the update was abandoned before the scale came
+    ad.post_load()  # the next update's end does not report the old half
+
+
 def test_module_adapter_loads_by_hf_name_bitwise():
     spec = {"model.layers.0.self_attn.q_a_proj.weight": ("bfloat16", [8, 16]),
             "model.layers.0.mlp.gate.e_score_correction_bias": ("float32", [4]),
@@ -214,3 +280,57 @@ def test_update_error_names_rank_tensor_and_remote_traceback():
     assert e.status == 502 and e.applied == {2: ["a"]}
     assert UpdateError("ck", [RankFailure(rank=0, kind="mismatch", message="m")]).status == 409
     assert UpdateError("ck", [RankFailure(rank=0, kind="timeout", message="t")]).status == 504
+    # a commit failure keeps its cause's status
+    assert UpdateError("ck", [RankFailure(rank=0, kind="commit_mismatch", message="m")]).status == 409
+    assert UpdateError("ck", [RankFailure(rank=0, kind="commit_worker_died", message="d")]).status == 504
+    assert UpdateError("ck", [RankFailure(rank=0, kind="commit_worker_error", message="e")]).status == 502
+
+
+def test_receiver_gives_up_at_once_when_the_server_goes_away(tmp_path):
+    """A receiver whose server closes the connection mid-update drops its staging and raises
+    well before its own (long) timeout, instead of waiting it out."""
+    import threading
+    import time
+
+    import zmq
+    from k2_ckpt.buffer import SlotBuffer
+    from k2_ckpt.errors import UpdateAborted
+    from k2_ckpt.types import BucketItem, BucketMsg, BufferMsg
+    from k2_ckpt.worker import update_weights_from_ipc
+
+    module = build_module({"a": ("float32", [16]), "b": ("float32", [16])})
+    buf = SlotBuffer(1024, 2, torch.device("cpu"))
+    buf.data[:64].view(torch.float32).copy_(torch.full((16,), 3.0))
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.PAIR)
+    address = f"ipc://{tmp_path}/s.sock"
+    server.bind(address)
+    result: dict = {}
+
+    def receive():
+        t0 = time.monotonic()
+        try:
+            update_weights_from_ipc(address, ModuleAdapter(module), timeout_s=60, zmq_ctx=ctx)
+        except Exception as e:  # noqa: BLE001 - checked below
+            result["error"] = e
+        result["seconds"] = time.monotonic() - t0
+
+    th = threading.Thread(target=receive)
+    th.start()
+    try:
+        server.send(BufferMsg(handle=buf.handle(), slot_bytes=1024, num_slots=2, checkpoint="c",
+                              num_buckets=2).model_dump_json().encode())
+        assert server.poll(10_000) and b"ready" in server.recv()
+        item = BucketItem(name="a", dtype="float32", shape=[16], tensor_nbytes=64, chunk_start=0, nbytes=64,
+                          buf_offset=0)
+        server.send(BucketMsg(bucket=0, offset=0, items=[item]).model_dump_json().encode())
+        assert server.poll(10_000) and b"ack" in server.recv()
+        server.close(linger=0)  # the server process "dies" before bucket 1 and the commit
+        th.join(20)
+    finally:
+        buf.close()
+    assert isinstance(result.get("error"), UpdateAborted), result
+    assert "closed the connection" in str(result["error"]) and "old weights are intact" in str(result["error"])
+    assert result["seconds"] < 10, result["seconds"]
+    assert torch.equal(module.a, torch.zeros(16)), "a staged tensor was applied without a commit"
+    ctx.term()

@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
@@ -102,14 +104,20 @@ def http_req_func(urls: list[str], uds: list[str], timeout_s: float = 600.0) -> 
 
     def req(zmq_handles: dict[str, str]) -> None:
         targets = [(u, None) for u in urls] + [("http://receiver", p) for p in uds]
+        if not targets:  # fails the update on every rank (a req_func failure), instead of a timeout
+            raise ValueError("no receivers to call: the update request gave neither update_urls nor update_uds")
         errors: list[str] = []
 
         def one(url: str, sock: str | None) -> None:
-            transport = httpx.HTTPTransport(uds=sock) if sock else None
-            with httpx.Client(transport=transport, timeout=timeout_s) as c:
-                r = c.post(url.rstrip("/") + "/v1/update_weights_from_ipc", json={"zmq_handles": zmq_handles})
-                if r.status_code >= 400:
-                    errors.append(f"{sock or url}: HTTP {r.status_code} {r.text[:500]}")
+            try:
+                transport = httpx.HTTPTransport(uds=sock) if sock else None
+                with httpx.Client(transport=transport, timeout=timeout_s) as c:
+                    r = c.post(url.rstrip("/") + "/v1/update_weights_from_ipc", json={"zmq_handles": zmq_handles})
+            except Exception as e:  # unreachable receiver: fail the update now, not at its timeout
+                errors.append(f"{sock or url}: {type(e).__name__}: {e}")
+                return
+            if r.status_code >= 400:
+                errors.append(f"{sock or url}: HTTP {r.status_code} {r.text[:500]}")
 
         threads = [threading.Thread(target=one, args=t, daemon=True) for t in targets]
         for t in threads:
@@ -126,8 +134,14 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def handler(request: Request, e: Exception) -> JSONResponse:  # noqa: ARG001
         return _error_response(e)
 
+    async def bad_request(request: Request, e: RequestValidationError) -> JSONResponse:  # noqa: ARG001
+        where = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+        return JSONResponse({"error": "bad_request", "message": where,
+                             "detail": jsonable_encoder(e.errors())}, status_code=422)
+
     for exc in (CkptError, ValueError, KeyError, TimeoutError, RuntimeError):
         app.add_exception_handler(exc, handler)
+    app.add_exception_handler(RequestValidationError, bad_request)
 
 
 def make_server_app(ps: ParameterServer) -> FastAPI:

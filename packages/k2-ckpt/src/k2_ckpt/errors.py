@@ -49,7 +49,9 @@ class RankFailure:
     """One rank's failure during an update, as gathered from every rank."""
 
     rank: int
-    kind: str  # "worker_error" | "mismatch" | "worker_died" | "timeout" | "req_func" | "server_error"
+    # "worker_error" | "mismatch" | "worker_died" | "timeout" | "req_func" | "server_error", and the
+    # same prefixed "commit_" when it happened while the receiver applied its staged tensors
+    kind: str
     message: str
     bucket: int | None = None
     tensor: str | None = None
@@ -60,14 +62,16 @@ class UpdateError(CkptError):
     """`ParameterServer.update` failed; `failures` says which rank, tensor and why.
 
     Raised identically on every rank. In staged mode (the default) no receiver applied
-    anything; in direct mode `applied[rank]` lists exactly what each receiver loaded.
+    anything; in direct mode `applied[rank]` lists exactly what each receiver loaded, and is
+    None when that receiver could not say (it died or hung: it may have loaded some tensors).
+    Ranks whose receivers applied nothing are absent.
     """
 
     def __init__(self, checkpoint: str, failures: list[RankFailure],
-                 applied: dict[int, list[str]] | None = None):
+                 applied: dict[int, list[str] | None] | None = None):
         self.checkpoint = checkpoint
         self.failures = failures
-        # rank -> tensors its receiver had loaded before the abort (always empty in staged mode)
+        # rank -> tensors its receiver had loaded before the abort, None = unknown
         self.applied = applied or {}
         head = failures[0]
         where = f"rank {head.rank}" + (f", bucket {head.bucket}" if head.bucket is not None else "")
@@ -80,7 +84,7 @@ class UpdateError(CkptError):
 
     @property
     def status(self) -> int:  # type: ignore[override]
-        kinds = {f.kind for f in self.failures}
+        kinds = {f.kind.removeprefix("commit_") for f in self.failures}  # a commit failure keeps its cause
         if "mismatch" in kinds:
             return 409
         if kinds & {"timeout", "worker_died"}:

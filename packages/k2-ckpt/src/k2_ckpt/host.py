@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from k2_ckpt.buffer import SlotBuffer
-from k2_ckpt.dtypes import as_bytes, dtype_from_name, dtype_name
+from k2_ckpt.dtypes import as_bytes, dtype_from_name, dtype_name, nbytes_of
 from k2_ckpt.errors import BadCheckpoint, FileMissing
 from k2_ckpt.planner import ALIGN
 from k2_ckpt.types import BucketItem, TensorMeta
@@ -31,10 +31,6 @@ _ST_DTYPES = {
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
 }
-
-
-def _pin(t: torch.Tensor) -> torch.Tensor:
-    return t.pin_memory() if torch.cuda.is_available() else t
 
 
 class HostCheckpoint:
@@ -77,7 +73,7 @@ class HostCheckpoint:
             self.arenas.append(shm)
             arena = shm.data
         else:
-            arena = _pin(torch.empty(total, dtype=torch.uint8))
+            arena = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         self._keepalive.append(arena)
         for (name, t), off in zip(pairs, offsets):
             n = t.numel() * t.element_size()
@@ -141,6 +137,12 @@ class HostCheckpoint:
             except (KeyError, TypeError, ValueError) as e:
                 raise BadCheckpoint(f"{path}: tensor {name!r} has a bad header entry {info!r} ({e})") from None
             lo, hi = data_start + begin, data_start + end
+            if not 0 <= begin <= end:
+                raise BadCheckpoint(f"{path}: tensor {name!r} has data_offsets {[begin, end]} (need 0 <= begin <= end)")
             if hi > size:
                 raise BadCheckpoint(f"{path}: tensor {name!r} ends at byte {hi}, past the file end {size}")
+            want = nbytes_of(dt, shape)
+            if end - begin != want:
+                raise BadCheckpoint(f"{path}: tensor {name!r} spans {end - begin} bytes, but {info['dtype']} "
+                                    f"{shape} needs {want}")
             self._add(name, dt, shape, lo, whole[lo:hi], path)

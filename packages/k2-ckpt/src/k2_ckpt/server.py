@@ -33,11 +33,12 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import zmq
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 
 from k2_ckpt.buffer import SlotBuffer
 from k2_ckpt.device import default_device, device_id, free_memory_bytes
@@ -61,6 +62,7 @@ from k2_ckpt.types import (
     CommitMsg,
     DoneReply,
     ErrorReply,
+    ReadyReply,
     TensorMeta,
     WorkerMsg,
 )
@@ -86,6 +88,10 @@ class ServerConfig:
     # checkpoint in /dev/shm per receiving rank
     cpu_receive_arena: bool = True
     abort_timeout_s: float = 2.0  # how long an abort waits for the receiver's reply
+    # the server's process group gives up on a collective after this long: a rank that left the
+    # protocol (killed, or an error outside it) makes the others fail instead of hang. Default:
+    # room for `agree_every` + 2 receiver waits of `timeout_s` between two collectives, >= 5 min
+    collective_timeout_s: float | None = None
     # CUDA only: time the owner's host -> device copies with CUDA events (UpdateStats.h2d_s);
     # off by default, the benchmark turns it on
     time_h2d: bool = False
@@ -106,6 +112,12 @@ class UpdateStats:
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+def _collective_bound_s(cfg: ServerConfig, timeout_s: float) -> float:
+    """Longest a rank may legitimately sit in one of the server's collectives: the other ranks
+    may each wait on their receivers (`agree_every` acks, the commit, the abort) in between."""
+    return (max(1, cfg.agree_every) + 2) * timeout_s + cfg.abort_timeout_s
 
 
 class _Failed(Exception):
@@ -139,6 +151,9 @@ class _ReceiverLink:
         self.connected = False
         self.bucket: int | None = None  # for error reports
         self.last_acked: int | None = None
+        self.staged = True  # the receiver's mode, from its "ready"
+        self.views_buffer = False  # from its "done": its weights may view the transfer buffer
+        self.error_applied: list[str] | None = None  # direct mode: what its error reply said it had loaded
 
     def close(self) -> None:
         try:
@@ -211,8 +226,12 @@ class _ReceiverLink:
         return None
 
     def _decode(self, raw: bytes):
-        msg = _WORKER_MSG.validate_json(raw)
+        try:
+            msg = _WORKER_MSG.validate_json(raw)
+        except ValidationError as e:  # a receiver speaking another protocol version: this rank's failure
+            raise self._fail("server_error", f"malformed message from the receiver: {e}") from None
         if isinstance(msg, ErrorReply):
+            self.error_applied = msg.applied
             raise _Failed(RankFailure(rank=self.rank, kind=msg.kind, message=msg.message,
                                       bucket=msg.bucket, tensor=msg.tensor, traceback=msg.traceback))
         return msg
@@ -237,7 +256,13 @@ class ParameterServer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # object collectives on NCCL use the current device
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.group = group if group is not None else dist.new_group(backend=backend)
+        # None when the caller brought its own group (its timeout is the caller's business)
+        self._collective_timeout_s: float | None = None
+        if group is None:
+            self._collective_timeout_s = self.config.collective_timeout_s or max(
+                300.0, _collective_bound_s(self.config, self.config.timeout_s))
+            group = dist.new_group(backend=backend, timeout=timedelta(seconds=self._collective_timeout_s))
+        self.group = group
         self.device_id = device_id(self.device, self.rank)
         self._ckpts: dict[str, HostCheckpoint] = {}
         self._zmq = zmq.Context()
@@ -259,10 +284,14 @@ class ParameterServer:
         if files is None and named_tensors is None:
             raise ValueError("register_checkpoint needs files=... or named_tensors=...")
         ckpt = HostCheckpoint(name, self.rank, shared_arena=self.device.type == "cpu")
-        for path in files or ():
-            ckpt.add_safetensors(path)
-        if named_tensors is not None:
-            ckpt.add_named_tensors(named_tensors)
+        try:
+            for path in files or ():
+                ckpt.add_safetensors(path)
+            if named_tensors is not None:
+                ckpt.add_named_tensors(named_tensors)
+        except BaseException:
+            ckpt.close()  # free its arenas (and their /dev/shm files) now, not at exit
+            raise
         self._ckpts[name] = ckpt
         return list(ckpt.metas)
 
@@ -313,7 +342,12 @@ class ParameterServer:
         same gathered values, so they take the same branch."""
         cfg = self.config
         ckpt = self._ckpts.get(name)
-        local = min(cfg.max_bucket_bytes, int(free_memory_bytes(self.device) * cfg.memory_fraction) // cfg.num_slots)
+        free = free_memory_bytes(self.device)
+        if self.device.type == "cuda" and self._buffer is not None:
+            free += self._buffer.data.numel()  # our own slots are reused, not allocated again
+        # rounded to MiB so that small changes in free memory keep the same plan (and its cache)
+        local = min(cfg.max_bucket_bytes, int(free * cfg.memory_fraction) // cfg.num_slots >> 20 << 20)
+        local = max(local, ALIGN)
         mine = torch.tensor([ckpt.uid if ckpt is not None else 0, local], dtype=torch.int64, device=self.device)
         parts = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(parts, mine, group=self.group)
@@ -348,6 +382,10 @@ class ParameterServer:
         """
         cfg = self.config
         timeout = cfg.timeout_s if timeout_s is None else timeout_s
+        if self._collective_timeout_s is not None and _collective_bound_s(cfg, timeout) > self._collective_timeout_s:
+            raise ValueError(f"timeout_s={timeout:g}: ranks may then wait up to {_collective_bound_s(cfg, timeout):.0f}s "
+                             f"in one collective, more than the server group's {self._collective_timeout_s:.0f}s "
+                             "(ServerConfig.collective_timeout_s)")
         receivers = set(range(self.world_size)) if ranks is None else set(ranks)
         bad = sorted(r for r in receivers if not 0 <= r < self.world_size)
         if bad:
@@ -360,20 +398,25 @@ class ParameterServer:
         ckpt = self._ckpts[name]
         receiving = self.rank in receivers
 
-        zero_copy = receiving and self.device.type == "cpu" and cfg.cpu_receive_arena
-        if zero_copy:
-            offsets, total = [], 0
-            for b in plan:  # bucket k at offsets[k]: a split tensor's chunks end up contiguous
-                offsets.append(total)
-                total += (b.nbytes + ALIGN - 1) // ALIGN * ALIGN
-            arena_idx = self._receive_arena(total)
-            buf = self._recv_arenas[arena_idx]
-        else:
-            offsets = [(k % cfg.num_slots) * bucket_bytes for k in range(len(plan))]
-            buf = self._slot_buffer(bucket_bytes)
         link: _ReceiverLink | None = None
         req: _ReqThread | None = None
         failure: RankFailure | None = None
+        buf: SlotBuffer | None = None
+        zero_copy = receiving and self.device.type == "cpu" and cfg.cpu_receive_arena
+        try:  # a local failure (no memory, /dev/shm full) is voted on like any other
+            if zero_copy:
+                offsets, total = [], 0
+                for b in plan:  # bucket k at offsets[k]: a split tensor's chunks end up contiguous
+                    offsets.append(total)
+                    total += (b.nbytes + ALIGN - 1) // ALIGN * ALIGN
+                arena_idx = self._receive_arena(total)
+                buf = self._recv_arenas[arena_idx]
+            else:
+                offsets = [(k % cfg.num_slots) * bucket_bytes for k in range(len(plan))]
+                buf = self._slot_buffer(bucket_bytes)
+        except (OSError, RuntimeError) as e:
+            failure = RankFailure(rank=self.rank, kind="server_error", traceback=traceback.format_exc(),
+                                  message=f"could not allocate the transfer buffer on {self.device}: {e}")
 
         def alive() -> None:  # rank 0 also watches its req_func thread
             if req is not None and req.error is not None:
@@ -390,20 +433,24 @@ class ParameterServer:
                 req = _ReqThread(req_func, mapping)
                 req.start()
             try:
-                if link is not None:
+                if link is not None and buf is not None:
                     link.send(BufferMsg(handle=buf.handle(), slot_bytes=bucket_bytes, num_slots=cfg.num_slots,
                                         checkpoint=name, num_buckets=len(plan),
                                         sources=[a.handle() for a in ckpt.arenas], zero_copy=zero_copy))
-                    link.recv("report ready")
+                    ready = link.recv("report ready")
+                    if isinstance(ready, ReadyReply):
+                        link.staged = ready.staged
                 self._mark("connect")
             except _Failed as f:
-                failure = f.failure
-            failure, ok = self._run_buckets(plan, ckpt, buf, offsets, not zero_copy, link, alive, failure)
-            if zero_copy and ok:
-                self._live_arena = arena_idx  # the receiver may now hold views of it: never overwrite
-            elif zero_copy and failure is not None and failure.kind.startswith("commit_"):
-                self._recv_arenas = [None, None]  # a half-done commit may reference either arena
-                self._live_arena = None
+                failure = failure or f.failure
+            failure, ok, committed = self._run_buckets(plan, ckpt, buf, offsets, not zero_copy, link, alive, failure)
+            if zero_copy and committed and link is not None and link.views_buffer:
+                # the receiver may now hold views of this arena (even when another rank's
+                # commit failed): never overwrite it. A receiver that copied (direct mode)
+                # may still view the arena of an earlier update, which stays protected
+                self._live_arena = arena_idx
+            elif zero_copy and committed is False:
+                self._drop_receive_arenas()  # a half-done commit may view either arena
             if ok:
                 return self._finish(name, t0, plan, bucket_bytes, metas, req, timeout)
             self._abort_and_raise(name, link, failure, cfg.abort_timeout_s)
@@ -423,6 +470,14 @@ class ParameterServer:
             buf.data.fill_(0)  # touch every page once, here rather than inside the first update
         return buf
 
+    def _drop_receive_arenas(self) -> None:
+        """Close both receive arenas (a receiver's mapping outlives the file); the next update
+        makes fresh ones."""
+        for a in self._recv_arenas:
+            if a is not None:
+                a.close()
+        self._recv_arenas, self._live_arena = [None, None], None
+
     def _receive_arena(self, nbytes: int) -> int:
         """Index of the receive arena to fill: never the one the receiver's weights may view."""
         use = 1 if self._live_arena == 0 else 0
@@ -435,13 +490,15 @@ class ParameterServer:
             self._recv_arenas[use] = arena
         return use
 
-    def _run_buckets(self, plan: list[Bucket], ckpt: HostCheckpoint, buf: SlotBuffer, offsets: list[int],
+    def _run_buckets(self, plan: list[Bucket], ckpt: HostCheckpoint, buf: SlotBuffer | None, offsets: list[int],
                      reuse_slots: bool, link: _ReceiverLink | None, alive: Callable[[], None],
-                     failure: RankFailure | None) -> tuple[RankFailure | None, bool]:
+                     failure: RankFailure | None) -> tuple[RankFailure | None, bool, bool | None]:
         """Broadcast every bucket into `buf` at `offsets[k]` (reused slots wait for the receiver's
-        ack of bucket k - num_slots), then two-phase commit. Returns (failure, ok)."""
+        ack of bucket k - num_slots), then two-phase commit. Returns (failure, ok, committed):
+        committed is None when this rank's receiver was not asked to commit, else whether it did."""
         num_slots = self.config.num_slots
         inflight: deque[int] = deque()
+        scratch: list[torch.Tensor] = []
 
         def on_msg(msg: object) -> None:
             if isinstance(msg, AckReply):
@@ -452,12 +509,19 @@ class ParameterServer:
                 if link is not None:
                     link.last_acked = msg.bucket
 
-        def prepare(k: int) -> tuple[torch.Tensor, tuple[int, int] | None]:
+        def prepare(k: int, failed: bool) -> tuple[torch.Tensor, tuple[int, int] | None]:
             """The bytes to broadcast for bucket k: the owner fills its place in `buf` (H2D on
             CUDA), or on CPU broadcasts in place from its shared registration arena, which its
-            own receiver maps copy-on-write (so it can never write into the trainer's copy)."""
+            own receiver maps copy-on-write (so it can never write into the trainer's copy).
+            Once this rank failed it still takes part in the broadcasts until the next vote, but
+            into scratch memory: its receiver, late or hung, may still read the reused slots."""
             bucket = plan[k]
-            slot = buf.data[offsets[k]:offsets[k] + bucket.nbytes]
+            if failed and reuse_slots:
+                if not scratch:
+                    scratch.append(torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8, device=self.device))
+                slot = scratch[0][:bucket.nbytes]
+            else:
+                slot = buf.data[offsets[k]:offsets[k] + bucket.nbytes]
             if self.rank != bucket.owner:
                 return slot, None
             in_place = ckpt.in_place_source(bucket.items)
@@ -490,12 +554,12 @@ class ParameterServer:
                 except _Failed as f:
                     failure = f.failure
             if k % max(1, self.config.agree_every) == 0 and not self._agree(failure is not None):
-                return failure, False
-            slot, in_place = prepared if prepared is not None else prepare(k)
+                return failure, False, None
+            slot, in_place = prepared if prepared is not None else prepare(k, failure is not None)
             prepared = None
             work = dist.broadcast(slot, src=bucket.owner, group=self.group, async_op=True)
             if not reuse_slots and k + 1 < len(plan) and plan[k + 1].owner == self.rank:
-                prepared = prepare(k + 1)  # the host copy of bucket k+1 overlaps the broadcast of k
+                prepared = prepare(k + 1, failure is not None)  # the host copy of bucket k+1 overlaps the broadcast of k
             work.wait()
             if slot.is_cuda:  # the receiver reads it from another process/stream
                 torch.cuda.current_stream(slot.device).synchronize()
@@ -522,22 +586,26 @@ class ParameterServer:
             except _Failed as f:
                 failure = f.failure
         if not self._agree(failure is not None):
-            return failure, False
+            return failure, False, None
         self._mark("last_acks")
         # phase 2: commit (apply staged tensors, run the post-load hook)
+        committed: bool | None = None
         if link is not None:
+            committed = False
             try:
                 link.send(CommitMsg())
                 msg = link.recv("finish the commit")
                 if not isinstance(msg, DoneReply):
                     raise _Failed(RankFailure(rank=self.rank, kind="server_error",
                                               message=f"expected 'done' after commit, got {msg.op!r}"))
+                committed = True
+                link.views_buffer = msg.views_buffer
             except _Failed as f:
                 failure = f.failure
                 failure.kind = "commit_" + failure.kind
         ok = self._agree(failure is not None)
         self._mark("commit")
-        return failure, ok
+        return failure, ok, committed
 
     def _mark(self, phase: str) -> None:
         self._marks.append((phase, time.perf_counter()))
@@ -560,9 +628,13 @@ class ParameterServer:
 
     def _abort_and_raise(self, name: str, link: _ReceiverLink | None, failure: RankFailure | None,
                          abort_timeout_s: float) -> None:
-        applied: list[str] = []
+        # what this rank's receiver applied: nothing when staged; when direct, what its error reply
+        # said, or unknown (None) until it answers the abort; unknown for a commit that failed
+        applied: list[str] | None = [] if link is None or link.staged else link.error_applied
+        if link is not None and failure is not None and failure.kind.startswith("commit_"):
+            applied = None
         # a dead or hung receiver cannot acknowledge: tell it (best effort) but do not wait
-        unresponsive = failure is not None and failure.kind in ("worker_died", "timeout")
+        unresponsive = failure is not None and failure.kind.removeprefix("commit_") in ("worker_died", "timeout")
         if unresponsive and link is not None:
             try:
                 link.send(AbortMsg(reason=failure.message), timeout_s=0.05)
@@ -589,7 +661,7 @@ class ParameterServer:
         failures = [f for f, _ in reports if f is not None]
         if not failures:
             failures = [RankFailure(rank=self.rank, kind="server_error", message="update aborted")]
-        raise UpdateError(name, failures, {r: a for r, (_, a) in enumerate(reports) if a})
+        raise UpdateError(name, failures, {r: a for r, (_, a) in enumerate(reports) if a != []})
 
     def close(self) -> None:
         """Free host memory and the transfer buffer (their /dev/shm files are removed)."""
@@ -599,10 +671,7 @@ class ParameterServer:
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None
-        for a in self._recv_arenas:
-            if a is not None:
-                a.close()
-        self._recv_arenas, self._live_arena = [None, None], None
+        self._drop_receive_arenas()
         self._zmq.term()
 
 

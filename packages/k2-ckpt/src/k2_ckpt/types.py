@@ -83,6 +83,7 @@ ServerMsg = Annotated[BufferMsg | BucketMsg | CommitMsg | AbortMsg, Field(discri
 class ReadyReply(BaseModel):
     op: Literal["ready"] = "ready"
     device_id: str
+    staged: bool = True  # False: direct mode, each bucket is loaded on arrival
 
 
 class AckReply(BaseModel):
@@ -97,18 +98,21 @@ class ErrorReply(BaseModel):
     bucket: int | None = None
     tensor: str | None = None
     traceback: str
-    applied: list[str] = []
+    applied: list[str] | None = []  # direct mode: tensors loaded so far; None = unknown (a failed commit)
 
 
 class DoneReply(BaseModel):
     op: Literal["done"] = "done"
     applied: int
     seconds: float
+    # the receiver's weights may now be views of this update's transfer buffer (zero-copy
+    # staging): the server must not write into it again until a later update replaces them
+    views_buffer: bool = False
 
 
 class AbortedReply(BaseModel):
     op: Literal["aborted"] = "aborted"
-    applied: list[str] = []
+    applied: list[str] | None = []  # None = unknown (the abort came after a failed commit)
 
 
 WorkerMsg = Annotated[

@@ -8,6 +8,9 @@ staged tensors are loaded and the post-load hook runs; on "abort" the staging is
 
 Staged mode gives all-or-nothing per receiver at the cost of one model-sized staging copy;
 direct mode needs no extra memory and reports exactly which tensors it had applied.
+
+A loader may also have an `abort()` method: it is called when an update is abandoned (the
+server aborted, went away, or fell silent), e.g. to drop half-assembled state.
 """
 
 from __future__ import annotations
@@ -96,18 +99,24 @@ def update_weights_from_ipc(address: str, loader: WeightLoader | Callable[[Named
     ctx = zmq_ctx or zmq.Context.instance()
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 1000)  # let the last reply leave before close
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # the server's process or link going away
     sock.connect(address)
     try:
-        return _Receiver(sock, loader, torch.device(device) if device is not None else None,
+        return _Receiver(sock, monitor, loader, torch.device(device) if device is not None else None,
                          device_id, staged, timeout_s).run()
     finally:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        monitor.close(linger=0)
         sock.close()
 
 
 class _Receiver:
-    def __init__(self, sock: zmq.Socket, loader: WeightLoader, device: torch.device | None,
+    def __init__(self, sock: zmq.Socket, monitor: zmq.Socket, loader: WeightLoader, device: torch.device | None,
                  device_id: str, staged: bool, timeout_s: float):
-        self.sock, self.loader, self.device = sock, loader, device
+        self.sock, self.monitor, self.loader, self.device = sock, monitor, loader, device
         self.device_id, self.staged, self.timeout_s = device_id, staged, timeout_s
         self.buf: torch.Tensor | None = None
         self.slot_bytes = 0
@@ -115,6 +124,7 @@ class _Receiver:
         self.staging: dict[str, torch.Tensor] = {}
         self.partial: dict[str, list] = {}  # name -> [bytes, received] for tensors split over buckets
         self.applied: list[str] = []
+        self.commit_started = False  # after this, what a failure leaves applied is unknown
         self.failed = False
         self.buckets = 0
         self.sources: list[torch.Tensor] = []
@@ -122,13 +132,57 @@ class _Receiver:
         self.pool: dict[str, torch.Tensor] | None = getattr(loader, "staging_pool", None)
 
     def send(self, msg) -> None:
+        # a PAIR socket blocks on send while its peer is gone: wait for it like for a message
+        self._wait(zmq.POLLOUT, f"accept {msg.op!r}")
         self.sock.send(msg.model_dump_json().encode())
 
     def recv(self):
-        if not self.sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
-            raise TimeoutError(f"no message from the parameter server for {self.timeout_s:.1f}s; "
-                               "update abandoned, staged tensors dropped")
+        self._wait(zmq.POLLIN, "send anything")
         return _SERVER_MSG.validate_json(self.sock.recv())
+
+    def _wait(self, flag: int, what: str) -> None:
+        """Until the socket is ready for `flag`; gives up when the server disconnects (at once)
+        or stays silent for `timeout_s`, dropping what was staged."""
+        poller = zmq.Poller()
+        poller.register(self.sock, flag)
+        poller.register(self.monitor, zmq.POLLIN)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            events = dict(poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
+            if self.sock in events:  # a message that arrived before a disconnect is still read
+                return
+            if self.monitor in events:
+                from zmq.utils.monitor import recv_monitor_message
+
+                if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                    self._abandon()
+                    raise UpdateAborted(f"update of {self.checkpoint!r}: the parameter server closed the "
+                                        "connection (it gave up on this update or its process died); "
+                                        + self._left_behind())
+                continue
+            if time.monotonic() >= deadline:
+                self._abandon()
+                raise TimeoutError(f"the parameter server did not {what} for {self.timeout_s:.1f}s; update "
+                                   "abandoned, " + self._left_behind())
+
+    def _left_behind(self) -> str:
+        if self.commit_started:
+            return "the commit had started: some tensors may be applied"
+        if self.staged:
+            return "staged tensors dropped, the old weights are intact"
+        return f"{len(self.applied)} tensors had been loaded (direct mode)"
+
+    def _abandon(self) -> None:
+        self.staging.clear()
+        self.partial.clear()
+        abort = getattr(self.loader, "abort", None)
+        if abort is not None:
+            abort()
+
+    def _applied_report(self) -> list[str] | None:
+        if self.commit_started:
+            return None  # a commit that failed part-way: unknown
+        return [] if self.staged else list(self.applied)
 
     def run(self) -> ReceiveResult:
         t0 = time.perf_counter()
@@ -139,26 +193,25 @@ class _Receiver:
                 self.sources = open_sources(msg.sources)
                 self.slot_bytes, self.checkpoint = msg.slot_bytes, msg.checkpoint
                 self.zero_copy = msg.zero_copy and self.staged
-                self.send(ReadyReply(device_id=self.device_id))
+                self.send(ReadyReply(device_id=self.device_id, staged=self.staged))
             elif isinstance(msg, BucketMsg):
                 if not self.failed:
                     self.on_bucket(msg)
             elif isinstance(msg, CommitMsg):
                 if self.on_commit():
                     n = len(self.applied)
-                    self.send(DoneReply(applied=n, seconds=time.perf_counter() - t0))
+                    self.send(DoneReply(applied=n, seconds=time.perf_counter() - t0, views_buffer=self.zero_copy))
                     return ReceiveResult(self.checkpoint, n, self.buckets, time.perf_counter() - t0)
             elif isinstance(msg, AbortMsg):
-                self.staging.clear()
-                self.partial.clear()
-                self.send(AbortedReply(applied=[] if self.staged else self.applied))
+                self._abandon()
+                self.send(AbortedReply(applied=self._applied_report()))
                 raise UpdateAborted(f"update of {self.checkpoint!r} aborted by the server: {msg.reason}")
 
     def _error(self, e: BaseException, bucket: int | None, tensor: str | None) -> None:
         self.failed = True
         kind = "mismatch" if isinstance(e, TensorMismatch) else "worker_error"
         self.send(ErrorReply(kind=kind, message=f"{type(e).__name__}: {e}", bucket=bucket, tensor=tensor,
-                             traceback=traceback.format_exc(), applied=[] if self.staged else self.applied))
+                             traceback=traceback.format_exc(), applied=self._applied_report()))
 
     def _stage_buffer(self, name: str, nbytes: int, device: torch.device) -> torch.Tensor:
         """A private byte buffer for `name`, reused across updates when the loader keeps a pool
@@ -231,6 +284,7 @@ class _Receiver:
         try:
             if self.partial:
                 raise RuntimeError(f"commit with incomplete tensors {sorted(self.partial)}")
+            self.commit_started = self.staged  # direct mode: everything is applied already, and listed
             if self.staged:
                 commit = getattr(self.loader, "commit_staged", None) or self.loader.load_weights
                 commit(self.staging.items())

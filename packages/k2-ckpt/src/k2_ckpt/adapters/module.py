@@ -37,6 +37,9 @@ class ModuleAdapter:
     the staged tensors in (like `load_state_dict(assign=True)`) instead of copying them, and
     the old storages become the next update's staging buffers: the commit costs no copy, but
     code holding views of the old tensors keeps seeing old data (do not use it under CUDA graphs).
+    Swapped-in tensors may be views of the server's transfer buffer, which stays reserved only
+    for the latest update's tensors: a tensor that a later swapping commit does not carry is
+    given private memory (a copy) at that commit's end.
     """
 
     def __init__(self, module: nn.Module, *, name_map: Callable[[str], str | None] | None = None,
@@ -50,6 +53,8 @@ class ModuleAdapter:
         self._pending_scale: dict[str, torch.Tensor] = {}
         # receiver staging buffers, reused across updates (staged mode keeps one model-sized copy)
         self.staging_pool: dict[str, torch.Tensor] = {}
+        self._swapped: set[str] = set()  # targets whose storage a commit swapped in (maybe a transfer buffer)
+        self._swapped_now: set[str] = set()  # ... by the current update
 
     def _name(self, name: str) -> str | None:
         return self.name_map(name) if self.name_map is not None else name
@@ -132,13 +137,30 @@ class ModuleAdapter:
             old = dst.data
             dst.data = src
             self.staging_pool[name] = old.reshape(-1).view(torch.uint8)  # next update stages here
+            self._swapped_now.add(mapped)
         self.load_weights(rest)
+
+    def abort(self) -> None:
+        """The update was abandoned: forget FP8 halves waiting for their partner."""
+        self._pending_fp8.clear()
+        self._pending_scale.clear()
+        self._swapped |= self._swapped_now  # a failed commit may have swapped some in
+        self._swapped_now = set()
 
     def _copy_dequant(self, name: str, w: torch.Tensor, scale: torch.Tensor) -> None:
         dst = self.targets[name]
         dst.copy_(dequantize_fp8_blocks(w, scale.to(w.device), self.block, out_dtype=dst.dtype))
 
+    @torch.no_grad()
     def post_load(self) -> None:
+        if self._swapped_now:
+            # tensors an earlier commit swapped in but this one did not carry may view a transfer
+            # buffer the server now reuses: give them their own memory
+            for name in self._swapped - self._swapped_now:
+                t = self.targets[name]
+                t.data = t.data.clone()
+            self._swapped = self._swapped_now
+            self._swapped_now = set()
         missing = sorted(set(self._pending_fp8) | set(self._pending_scale))
         self._pending_fp8.clear()
         self._pending_scale.clear()
