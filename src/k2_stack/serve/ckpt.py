@@ -38,6 +38,9 @@ class BetweenStepsLoader:
     def post_load(self) -> None:
         self.bridge.runner.call_between_steps(self.inner.post_load).result()
 
+    def abort(self) -> None:  # the update was abandoned: only bookkeeping, no weights touched
+        self.inner.abort()
+
 
 def receiver_device_id(bridge: EngineBridge, rank: int = 0) -> str:
     """The key under which a parameter server addresses this receiver (k2_ckpt.device.device_id)."""
