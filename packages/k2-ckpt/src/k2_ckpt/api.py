@@ -139,7 +139,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse({"error": "bad_request", "message": where,
                              "detail": jsonable_encoder(e.errors())}, status_code=422)
 
-    for exc in (CkptError, ValueError, KeyError, TimeoutError, RuntimeError):
+    for exc in (CkptError, ValueError, KeyError, TimeoutError, RuntimeError, OSError):  # OSError: /dev/shm full
         app.add_exception_handler(exc, handler)
     app.add_exception_handler(RequestValidationError, bad_request)
 
