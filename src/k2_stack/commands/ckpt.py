@@ -1,6 +1,6 @@
 """`k2 ckpt ...`: the checkpoint engine (k2-ckpt).
 
-k2 ckpt bench --ranks 2 --size-mb 256 [--bucket-mb 32] [--repeats 5] [--direct] [--copy-commit] [--json] [--out DIR]
+k2 ckpt bench --ranks 2 --size-mb 256 [--bucket-mb 32] [--repeats 10] [--direct] [--copy-commit] [--json] [--out DIR]
 k2 ckpt serve (--uds PATH | --port N)      # one per training rank, under torchrun
 """
 
@@ -35,7 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--ranks", type=int, default=2, help="gloo ranks (default 2)")
     bench.add_argument("--size-mb", type=float, default=256.0, help="total checkpoint size in MiB (default 256)")
     bench.add_argument("--bucket-mb", type=float, default=32.0, help="maximum bucket size in MiB (default 32)")
-    bench.add_argument("--repeats", type=int, default=5, help="timed updates (median reported; default 5)")
+    bench.add_argument("--repeats", type=int, default=10,
+                       help="timed updates, each followed by a raw broadcast (best and median reported; default 10)")
     bench.add_argument("--direct", action="store_true",
                        help="receivers load each bucket at once (exact reporting) instead of staging")
     bench.add_argument("--copy-commit", action="store_true",
