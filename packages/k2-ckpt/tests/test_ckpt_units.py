@@ -334,3 +334,24 @@ def test_receiver_gives_up_at_once_when_the_server_goes_away(tmp_path):
     assert result["seconds"] < 10, result["seconds"]
     assert torch.equal(module.a, torch.zeros(16)), "a staged tensor was applied without a commit"
     ctx.term()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn", "int64", "bool"])
+def test_receiver_views_equal_byte_slices(dtype):
+    # the receiver's one-call tensor views of a transfer buffer (as_strided on a typed view)
+    # against slicing the bytes and viewing them, for odd shapes and offsets
+    from k2_ckpt.dtypes import nbytes_of
+    from k2_ckpt.worker import _Receiver
+
+    buf = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    recv = _Receiver(None, None, ModuleAdapter(build_module({})), None, "cpu", True, 1.0)
+    dt = dtype_from_name(dtype)
+    for shape, offset in (([], 256), ([0, 5], 512), ([3, 1, 7], 768), ([17], 1024), ([5, 9], 8)):
+        n = nbytes_of(dt, shape)
+        got = recv._view(buf, offset, n, dt, shape)
+        want = from_bytes(buf[offset:offset + n], dt, shape)
+        assert got.dtype == dt and got.shape == want.shape and got.is_contiguous()
+        assert got.data_ptr() == want.data_ptr() and torch.equal(as_bytes(got), as_bytes(want))
+    if dt.itemsize > 1:  # misaligned (never planned: offsets are 256-aligned): refused, as by slicing
+        with pytest.raises(RuntimeError, match="divisible"):
+            recv._view(buf, 3, nbytes_of(dt, [2]), dt, [2])

@@ -51,8 +51,10 @@ class ModuleAdapter:
         self.name_map, self.ignore_unknown, self.block = name_map, ignore_unknown, fp8_block
         self._pending_fp8: dict[str, torch.Tensor] = {}  # weight name -> fp8 data awaiting its scale
         self._pending_scale: dict[str, torch.Tensor] = {}
-        # receiver staging buffers, reused across updates (staged mode keeps one model-sized copy)
+        # receiver staging buffers, reused across updates (staged mode keeps one model-sized copy):
+        # name -> a contiguous tensor whose bytes the next update may stage into
         self.staging_pool: dict[str, torch.Tensor] = {}
+        self._valid: set[tuple] = set()  # (name, dtype, shape) that passed `validate`: every update repeats them
         self._swapped: set[str] = set()  # targets whose storage a commit swapped in (maybe a transfer buffer)
         self._swapped_now: set[str] = set()  # ... by the current update
 
@@ -70,6 +72,12 @@ class ModuleAdapter:
         return t
 
     def validate(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        key = (name, dtype, tuple(shape))
+        if key not in self._valid:  # the targets never change, so neither does the answer
+            self._validate(name, dtype, shape)
+            self._valid.add(key)
+
+    def _validate(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         mapped = self._name(name)
         if mapped is None:
             return
@@ -134,9 +142,8 @@ class ModuleAdapter:
             if dst is None or src.dtype != dst.dtype or src.shape != dst.shape or not dst.is_contiguous():
                 rest.append((name, src))  # dequantised or renamed-away tensors: the copy path
                 continue
-            old = dst.data
+            self.staging_pool[name] = dst.data  # the next update stages into the old storage
             dst.data = src
-            self.staging_pool[name] = old.reshape(-1).view(torch.uint8)  # next update stages here
             self._swapped_now.add(mapped)
         self.load_weights(rest)
 
