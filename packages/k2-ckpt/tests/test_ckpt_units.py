@@ -323,7 +323,7 @@ def test_receiver_gives_up_at_once_when_the_server_goes_away(tmp_path):
         assert server.poll(10_000) and b"ready" in server.recv()
         item = BucketItem(name="a", dtype="float32", shape=[16], tensor_nbytes=64, chunk_start=0, nbytes=64,
                           buf_offset=0)
-        server.send(BucketMsg(bucket=0, offset=0, items=[item]).model_dump_json().encode())
+        server.send(BucketMsg.of(0, 0, [item]).model_dump_json().encode())
         assert server.poll(10_000) and b"ack" in server.recv()
         server.close(linger=0)  # the server process "dies" before bucket 1 and the commit
         th.join(20)

@@ -565,9 +565,8 @@ class ParameterServer:
                 torch.cuda.current_stream(slot.device).synchronize()
             if link is not None and failure is None:
                 try:
-                    link.send(BucketMsg(bucket=k, offset=offsets[k], items=bucket.items,
-                                        source=in_place[0] if in_place else None,
-                                        source_offset=in_place[1] if in_place else 0))
+                    link.send(BucketMsg.of(k, offsets[k], bucket.items, source=in_place[0] if in_place else None,
+                                           source_offset=in_place[1] if in_place else 0))
                     inflight.append(k)
                 except _Failed as f:
                     failure = f.failure

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 
 class TensorMeta(BaseModel):
@@ -58,14 +58,44 @@ class BufferMsg(BaseModel):
 
 
 class BucketMsg(BaseModel):
+    """Bucket k has arrived. Its items travel as columns (entry i of each list is one tensor or
+    chunk, as in `BucketItem`): an update carries up to ~10^5 tensors, and validating columns of
+    plain values costs about a tenth of validating one object per tensor (measured)."""
+
     op: Literal["bucket"] = "bucket"
     bucket: int
     offset: int  # where the bucket starts in the transfer buffer (a slot, or its place in the arena)
-    items: list[BucketItem]
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    tensor_nbytes: list[int]
+    chunk_starts: list[int]
+    nbytes: list[int]
+    buf_offsets: list[int]
     # set on the owner's own receiver when the bytes are read in place from a shared arena:
     # index into BufferMsg.sources and the bucket's base offset there (else: read the slot)
     source: int | None = None
     source_offset: int = 0
+
+    @model_validator(mode="after")
+    def _columns_align(self) -> BucketMsg:
+        n = len(self.names)
+        if any(len(c) != n for c in (self.dtypes, self.shapes, self.tensor_nbytes, self.chunk_starts,
+                                      self.nbytes, self.buf_offsets)):
+            raise ValueError(f"bucket {self.bucket}: item columns of different lengths")
+        return self
+
+    @classmethod
+    def of(cls, bucket: int, offset: int, items: list[BucketItem], **kw) -> BucketMsg:
+        return cls(bucket=bucket, offset=offset, names=[it.name for it in items], dtypes=[it.dtype for it in items],
+                   shapes=[it.shape for it in items], tensor_nbytes=[it.tensor_nbytes for it in items],
+                   chunk_starts=[it.chunk_start for it in items], nbytes=[it.nbytes for it in items],
+                   buf_offsets=[it.buf_offset for it in items], **kw)
+
+    def columns(self):
+        """(name, dtype, shape, tensor_nbytes, chunk_start, nbytes, buf_offset) per item."""
+        return zip(self.names, self.dtypes, self.shapes, self.tensor_nbytes, self.chunk_starts, self.nbytes,
+                   self.buf_offsets)
 
 
 class CommitMsg(BaseModel):

@@ -15,6 +15,7 @@ server aborted, went away, or fell silent), e.g. to drop half-assembled state.
 
 from __future__ import annotations
 
+import gc
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -101,10 +102,14 @@ def update_weights_from_ipc(address: str, loader: WeightLoader | Callable[[Named
     sock.setsockopt(zmq.LINGER, 1000)  # let the last reply leave before close
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # the server's process or link going away
     sock.connect(address)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # an update makes ~10^5 short-lived objects: a cyclic GC pass mid-update stalls the acks
     try:
         return _Receiver(sock, monitor, loader, torch.device(device) if device is not None else None,
                          device_id, staged, timeout_s).run()
     finally:
+        if gc_was_enabled:
+            gc.enable()
         try:
             sock.disable_monitor()
         except zmq.ZMQError:
@@ -258,43 +263,42 @@ class _Receiver:
         ready: list[tuple[str, torch.Tensor]] = []
         name = None
         try:
-            for it in msg.items:
-                name = it.name
-                dtype = dtype_from_name(it.dtype)
-                if it.chunk_start == 0:
-                    self.loader.validate(it.name, dtype, tuple(it.shape))
-                if self.zero_copy and it.nbytes == it.tensor_nbytes:  # whole, where it landed
-                    ready.append((it.name, self._view(buf, base + it.buf_offset, it.nbytes, dtype, it.shape)))
+            for name, dtype_name, shape, tensor_nbytes, chunk_start, nbytes, buf_offset in msg.columns():
+                dtype = dtype_from_name(dtype_name)
+                if chunk_start == 0:
+                    self.loader.validate(name, dtype, tuple(shape))
+                if self.zero_copy and nbytes == tensor_nbytes:  # whole, where it landed
+                    ready.append((name, self._view(buf, base + buf_offset, nbytes, dtype, shape)))
                     continue
-                src = buf[base + it.buf_offset:base + it.buf_offset + it.nbytes]
+                src = buf[base + buf_offset:base + buf_offset + nbytes]
                 if self.zero_copy:  # the bytes stay where they landed until the next update
-                    if it.chunk_start == 0:
-                        whole = buf[base + it.buf_offset:base + it.buf_offset + it.tensor_nbytes]
-                        self.partial[it.name] = [whole, 0]
-                    part = self.partial[it.name]
-                    if src.data_ptr() != part[0].data_ptr() + it.chunk_start:
+                    if chunk_start == 0:
+                        whole = buf[base + buf_offset:base + buf_offset + tensor_nbytes]
+                        self.partial[name] = [whole, 0]
+                    part = self.partial[name]
+                    if src.data_ptr() != part[0].data_ptr() + chunk_start:
                         # chunks from different buffers (the owner's arena, then the receive
                         # arena): fall back to assembling a private copy
-                        own = self._stage_buffer(it.name, it.tensor_nbytes, src.device)
+                        own = self._stage_buffer(name, tensor_nbytes, src.device)
                         own[:part[1]].copy_(part[0][:part[1]])
-                        own[it.chunk_start:it.chunk_start + it.nbytes].copy_(src)
+                        own[chunk_start:chunk_start + nbytes].copy_(src)
                         part[0] = own
-                    part[1] += it.nbytes
-                    if part[1] == it.tensor_nbytes:
-                        ready.append((it.name, from_bytes(self.partial.pop(it.name)[0], dtype, it.shape)))
+                    part[1] += nbytes
+                    if part[1] == tensor_nbytes:
+                        ready.append((name, from_bytes(self.partial.pop(name)[0], dtype, shape)))
                     continue
-                if it.is_whole:
+                if chunk_start == 0 and nbytes == tensor_nbytes:
                     # staged: a private copy; direct: a view, copied out by load_weights below
-                    data = self._stage_buffer(it.name, it.tensor_nbytes, src.device).copy_(src) if self.staged else src
-                    ready.append((it.name, from_bytes(data, dtype, it.shape)))
+                    data = self._stage_buffer(name, tensor_nbytes, src.device).copy_(src) if self.staged else src
+                    ready.append((name, from_bytes(data, dtype, shape)))
                     continue
-                if it.name not in self.partial:
-                    self.partial[it.name] = [self._stage_buffer(it.name, it.tensor_nbytes, src.device), 0]
-                part = self.partial[it.name]
-                part[0][it.chunk_start:it.chunk_start + it.nbytes].copy_(src)
-                part[1] += it.nbytes
-                if part[1] == it.tensor_nbytes:
-                    ready.append((it.name, from_bytes(self.partial.pop(it.name)[0], dtype, it.shape)))
+                if name not in self.partial:
+                    self.partial[name] = [self._stage_buffer(name, tensor_nbytes, src.device), 0]
+                part = self.partial[name]
+                part[0][chunk_start:chunk_start + nbytes].copy_(src)
+                part[1] += nbytes
+                if part[1] == tensor_nbytes:
+                    ready.append((name, from_bytes(self.partial.pop(name)[0], dtype, shape)))
             name = None
             if self.staged:
                 self.staging.update(ready)
