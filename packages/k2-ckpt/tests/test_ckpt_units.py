@@ -355,3 +355,20 @@ def test_receiver_views_equal_byte_slices(dtype):
     if dt.itemsize > 1:  # misaligned (never planned: offsets are 256-aligned): refused, as by slicing
         with pytest.raises(RuntimeError, match="divisible"):
             recv._view(buf, 3, nbytes_of(dt, [2]), dt, [2])
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.bool])
+def test_pooled_storages_are_reused_as_flat_bytes(dtype):
+    # an assign commit pools the swapped-out tensor as it was (any dtype, any shape); the next
+    # update stages into its bytes
+    from k2_ckpt.worker import _Receiver
+
+    module = build_module({"x": (dtype_name(dtype), [4, 4])})
+    ad = ModuleAdapter(module, assign=True)
+    old = module.x.data
+    ad.commit_staged([("x", torch.ones(4, 4, dtype=dtype))])
+    recv = _Receiver(None, None, ad, None, "cpu", True, 1.0)
+    nbytes = old.numel() * old.element_size()
+    buf = recv._stage_buffer("x", nbytes, torch.device("cpu"))
+    assert buf.dtype == torch.uint8 and buf.shape == (nbytes,) and buf.data_ptr() == old.data_ptr()
+    buf.copy_(torch.arange(nbytes, dtype=torch.uint8))  # a staging copy of flat bytes fits

@@ -224,7 +224,7 @@ class _Receiver:
         (`loader.staging_pool`): warm memory copies ~5x faster than freshly faulted pages."""
         pool = self.pool
         buf = pool.get(name) if pool is not None else None
-        if buf is not None and buf.dtype != torch.uint8:  # pooled as the tensor it was: its bytes
+        if buf is not None and (buf.dtype != torch.uint8 or buf.dim() != 1):  # pooled as the tensor it was
             buf = buf.reshape(-1).view(torch.uint8)
         if buf is None or buf.numel() != nbytes or buf.device != device:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
