@@ -356,7 +356,12 @@ def consistency(rank: int, world: int) -> dict:
                                                     if int(n.split(".")[2]) == rank and keep(n)})
 
     def req(handles):
-        return update_weights_from_ipc(handles[ps.device_id], ad, staged=mode["staged"], timeout_s=mode["timeout_s"])
+        loader = ad
+        if mode.get("fresh"):  # a new adapter for every update, as in the README example
+            loader = _FaultyAdapter(module, assign=True)
+            loader.fail_validate = mode.pop("fail_next", False)
+        return update_weights_from_ipc(handles[ps.device_id], loader, staged=mode["staged"],
+                                       timeout_s=mode["timeout_s"])
 
     def values() -> dict[str, float]:  # every tensor is constant: one number each, or "mixed"
         sd = module.state_dict()
@@ -395,7 +400,34 @@ def consistency(rank: int, world: int) -> dict:
     ad.fail_validate = rank == 1
     out["v4"] = update("v4")
     out["after_v4"] = values()
-    # 4. the two-slot path in direct mode: rank 1's receiver stalls 2 s on one tensor, its
+    # 4. a staged commit that swaps nothing in (a copy commit) after swapping ones, then a failed
+    # update: the tensors swapped in earlier must not still view a buffer the server reuses
+    # (full-size updates throughout: a receive arena of another size would be made afresh)
+    out["v2_swap"] = update("v2")
+    ad.assign = False
+    out["v5_copy"] = update("v5")
+    ad.assign = True
+    ad.fail_validate = rank == 1
+    out["v6_after_copy"] = update("v6")
+    out["after_v6_copy"] = values()
+    # 5. the same with a new adapter for every update: a subset checkpoint, then a failure
+    mode["fresh"] = True
+    out["v2_fresh"] = update("v2")
+    out["part_fresh"] = update("part")
+    out["after_part_fresh"] = values()
+    mode["fail_next"] = rank == 1
+    out["v4_fresh"] = update("v4")
+    out["after_v4_fresh"] = values()
+    mode["fresh"] = False
+    # 6. the engine writes into its swapped-in weights in place, then the same checkpoint is
+    # pushed again: every engine gets the registered bytes, not its own writes
+    out["v5_assign"] = update("v5")
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(100.0)
+    out["v5_again"] = update("v5")
+    out["after_v5_again"] = values()
+    # 7. the two-slot path in direct mode: rank 1's receiver stalls 2 s on one tensor, its
     # server times out after 0.5 s and keeps broadcasting until the vote, but not into the
     # slots the stalled receiver still reads: whatever it loads late is the right tensor
     ps.config.cpu_receive_arena = False

@@ -82,11 +82,20 @@ def test_failed_updates_after_partial_commits_subsets_and_direct_mode_leave_one_
         part = {n: (2.0 if n.endswith("w2") else 7.0) for n in names}
         assert r["part"] == "ok" and r["after_part"] == part, rank
         assert r["v4"] == "worker_error" and r["after_v4"] == part, rank
+        # a copy commit after swapping ones, then a failure: v5 stays, whole
+        assert r["v2_swap"] == r["v5_copy"] == "ok" and r["v6_after_copy"] == "worker_error", rank
+        assert r["after_v6_copy"] == every(5.0), rank
+        # a new adapter per update: the subset keeps w2 at v2, the failed v4 changes nothing
+        part2 = {n: (2.0 if n.endswith("w2") else 7.0) for n in names}
+        assert r["v2_fresh"] == r["part_fresh"] == "ok" and r["after_part_fresh"] == part2, rank
+        assert r["v4_fresh"] == "worker_error" and r["after_v4_fresh"] == part2, rank
+        # in-place writes by the engine, then the same checkpoint again: the registered bytes
+        assert r["v5_assign"] == r["v5_again"] == "ok" and r["after_v5_again"] == every(5.0), rank
         # stalled direct-mode receiver on the slot path: times out, rank 1's applied set is
-        # unknown (None), and every tensor is either its old (v4 or, for w2, v2) or new (v1) value
+        # unknown (None), and every tensor is either its old (v5) or new (v1) value
         assert r["slow"] == "timeout"
         assert r["slow_applied"]["1"] is None
-        assert all(v == 1.0 or v == part[n] for n, v in r["after_slow"].items()), r["after_slow"]
+        assert all(v in (1.0, 5.0) for v in r["after_slow"].values()), r["after_slow"]
     assert set(results[0]["slow_applied"]["0"]) == set(names)  # rank 0's receiver loaded everything it got
 
 

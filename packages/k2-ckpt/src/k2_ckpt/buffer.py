@@ -179,18 +179,9 @@ def open_buffer(handle: dict, device: torch.device | None = None) -> torch.Tenso
     raise ValueError(f"unknown buffer handle kind {kind!r} (expected 'shm' or 'cuda_ipc')")
 
 
-_SOURCES: dict[tuple[str, int], torch.Tensor] = {}  # receiver side: mapped arenas of the last update
-
-
 def open_sources(handles: list[dict]) -> list[torch.Tensor]:
-    """Map the owner's registration arenas copy-on-write (MAP_PRIVATE): staged views cost no
-    copy, and an engine writing into its weights in place gets private pages instead of
-    corrupting the registered checkpoint. Arenas no longer offered are unmapped."""
-    keys = [(h["path"], int(h["nbytes"])) for h in handles]
-    for k in list(_SOURCES):
-        if k not in keys:
-            del _SOURCES[k]
-    for k in keys:
-        if k not in _SOURCES:
-            _SOURCES[k] = torch.from_file(k[0], shared=False, size=k[1], dtype=torch.uint8)
-    return [_SOURCES[k] for k in keys]
+    """Map the owner's registration arenas copy-on-write (MAP_PRIVATE), afresh for every update:
+    staged views cost no copy, an engine writing into its weights in place gets private pages
+    instead of corrupting the registered checkpoint, and the next update of the same checkpoint
+    sees the registered bytes again rather than those private pages (a reused mapping would)."""
+    return [torch.from_file(h["path"], shared=False, size=int(h["nbytes"]), dtype=torch.uint8) for h in handles]

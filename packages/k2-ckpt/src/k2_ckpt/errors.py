@@ -61,10 +61,11 @@ class RankFailure:
 class UpdateError(CkptError):
     """`ParameterServer.update` failed; `failures` says which rank, tensor and why.
 
-    Raised identically on every rank. In staged mode (the default) no receiver applied
-    anything; in direct mode `applied[rank]` lists exactly what each receiver loaded, and is
-    None when that receiver could not say (it died or hung: it may have loaded some tensors).
-    Ranks whose receivers applied nothing are absent.
+    Raised identically on every rank. `applied[rank]` lists what that rank's receiver loaded
+    in direct mode, and is None when it could not say (it died or hung, or its commit failed
+    part-way). Ranks whose receivers applied nothing are absent. In staged mode (the default)
+    nothing is applied before the commit; a failure during the commit (kind `commit_*`) leaves
+    the receivers that had committed with the new set, complete (they are not listed here).
     """
 
     def __init__(self, checkpoint: str, failures: list[RankFailure],

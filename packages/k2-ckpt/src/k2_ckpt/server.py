@@ -188,7 +188,12 @@ class _ReceiverLink:
         while True:
             if self.sock.poll(50, flag):
                 return
-            self._check_monitor()
+            try:
+                self._check_monitor()
+            except _Failed:
+                if self.sock.poll(0, flag):  # e.g. its last reply arrived together with its close
+                    return
+                raise
             self.alive()
             if time.monotonic() > deadline:
                 state = "connected" if self.connected else "never connected"

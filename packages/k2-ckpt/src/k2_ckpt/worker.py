@@ -101,10 +101,10 @@ def update_weights_from_ipc(address: str, loader: WeightLoader | Callable[[Named
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 1000)  # let the last reply leave before close
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # the server's process or link going away
-    sock.connect(address)
     gc_was_enabled = gc.isenabled()
     gc.disable()  # an update makes ~10^5 short-lived objects: a cyclic GC pass mid-update stalls the acks
     try:
+        sock.connect(address)
         return _Receiver(sock, monitor, loader, torch.device(device) if device is not None else None,
                          device_id, staged, timeout_s).run()
     finally:
@@ -252,7 +252,7 @@ class _Receiver:
         for d in reversed(shape):
             strides.append(step)
             step *= d
-        return typed.as_strided(shape, strides[::-1], offset // esize)
+        return typed.as_strided(shape, strides[::-1], typed.storage_offset() + offset // esize)
 
     def on_bucket(self, msg: BucketMsg) -> None:
         assert self.buf is not None, "bucket before buffer"

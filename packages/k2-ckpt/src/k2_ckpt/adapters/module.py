@@ -10,6 +10,7 @@ engine that itself holds `X.weight_scale_inv` (an FP8 engine) gets both tensors 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -19,6 +20,10 @@ from k2_ckpt.dtypes import FLOAT8
 from k2_ckpt.errors import TensorMismatch
 
 SCALE_SUFFIX = "_scale_inv"
+
+# module -> names of its tensors that an assign commit swapped in (their storage may be a
+# transfer buffer). Kept per module, not per adapter: a new adapter for every update is common.
+_SWAPPED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
 
 
 def dequantize_fp8_blocks(w_OI: torch.Tensor, scale_inv_oi: torch.Tensor, block: int = 128,
@@ -38,8 +43,8 @@ class ModuleAdapter:
     the old storages become the next update's staging buffers: the commit costs no copy, but
     code holding views of the old tensors keeps seeing old data (do not use it under CUDA graphs).
     Swapped-in tensors may be views of the server's transfer buffer, which stays reserved only
-    for the latest update's tensors: a tensor that a later swapping commit does not carry is
-    given private memory (a copy) at that commit's end.
+    for the latest update's tensors: after every staged commit, a tensor swapped in earlier that
+    this commit did not swap in again is given private memory (a copy).
     """
 
     def __init__(self, module: nn.Module, *, name_map: Callable[[str], str | None] | None = None,
@@ -55,8 +60,8 @@ class ModuleAdapter:
         # name -> a contiguous tensor whose bytes the next update may stage into
         self.staging_pool: dict[str, torch.Tensor] = {}
         self._valid: set[tuple] = set()  # (name, dtype, shape) that passed `validate`: every update repeats them
-        self._swapped: set[str] = set()  # targets whose storage a commit swapped in (maybe a transfer buffer)
-        self._swapped_now: set[str] = set()  # ... by the current update
+        self._swapped_now: set[str] = set()  # targets the current update's commit swapped in
+        self._committed_now = False  # the current update had a staged commit
 
     def _name(self, name: str) -> str | None:
         return self.name_map(name) if self.name_map is not None else name
@@ -132,6 +137,7 @@ class ModuleAdapter:
     @torch.no_grad()
     def commit_staged(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Apply tensors that the receiver staged in `staging_pool` buffers (staged mode only)."""
+        self._committed_now = True
         if not self.assign:
             self.load_weights(named)
             return
@@ -139,8 +145,9 @@ class ModuleAdapter:
         for name, src in named:
             mapped = self._name(name)
             dst = self.targets.get(mapped) if mapped is not None else None
-            if dst is None or src.dtype != dst.dtype or src.shape != dst.shape or not dst.is_contiguous():
-                rest.append((name, src))  # dequantised or renamed-away tensors: the copy path
+            if (dst is None or src.dtype != dst.dtype or src.shape != dst.shape or src.device != dst.device
+                    or not dst.is_contiguous()):
+                rest.append((name, src))  # dequantised, renamed-away or other-device tensors: the copy path
                 continue
             self.staging_pool[name] = dst.data  # the next update stages into the old storage
             dst.data = src
@@ -151,8 +158,8 @@ class ModuleAdapter:
         """The update was abandoned: forget FP8 halves waiting for their partner."""
         self._pending_fp8.clear()
         self._pending_scale.clear()
-        self._swapped |= self._swapped_now  # a failed commit may have swapped some in
-        self._swapped_now = set()
+        _SWAPPED.setdefault(self.module, set()).update(self._swapped_now)  # a failed commit may have swapped some in
+        self._swapped_now, self._committed_now = set(), False
 
     def _copy_dequant(self, name: str, w: torch.Tensor, scale: torch.Tensor) -> None:
         dst = self.targets[name]
@@ -160,14 +167,15 @@ class ModuleAdapter:
 
     @torch.no_grad()
     def post_load(self) -> None:
-        if self._swapped_now:
-            # tensors an earlier commit swapped in but this one did not carry may view a transfer
-            # buffer the server now reuses: give them their own memory
-            for name in self._swapped - self._swapped_now:
+        if self._committed_now:
+            # after a staged commit the server protects only this update's buffer: tensors an
+            # earlier commit swapped in and this one did not may view a buffer it now reuses
+            earlier = _SWAPPED.get(self.module, set())
+            for name in earlier - self._swapped_now:
                 t = self.targets[name]
                 t.data = t.data.clone()
-            self._swapped = self._swapped_now
-            self._swapped_now = set()
+            _SWAPPED[self.module] = self._swapped_now
+            self._swapped_now, self._committed_now = set(), False
         missing = sorted(set(self._pending_fp8) | set(self._pending_scale))
         self._pending_fp8.clear()
         self._pending_scale.clear()
