@@ -78,11 +78,12 @@ def test_http_api_register_gather_update_delete_and_errors(tmp_path):
         want = {n: digest(t) for n, t in tensors.items()}
         for sock in recv:
             assert _digests(sock) == want
-        # a receiver that is not there: the update fails within its timeout, naming the socket
+        # a receiver that is not there: every rank fails at once (not after its 40 s timeout),
+        # naming the socket
         nobody = os.path.join(run_dir, "nobody.sock")
         t0 = time.monotonic()
-        gone = client.update("v1", update_uds=[nobody], timeout_s=3)
-        assert time.monotonic() - t0 < 15 and {u.status_code for u in gone} <= {502, 504}, gone[0].text
+        gone = client.update("v1", update_uds=[nobody], timeout_s=40)
+        assert time.monotonic() - t0 < 15 and {u.status_code for u in gone} == {502}, gone[0].text
         req_failure = [f for f in gone[0].json()["failures"] if f["kind"] == "req_func"]
         assert req_failure and "nobody.sock" in req_failure[0]["traceback"], gone[0].json()
         for sock in recv:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -100,13 +101,15 @@ def _error_response(e: Exception) -> JSONResponse:
 
 
 def http_req_func(urls: list[str], uds: list[str], timeout_s: float = 600.0) -> Callable[[dict[str, str]], None]:
-    """req_func that POSTs the handles to every receiver endpoint concurrently."""
+    """req_func that POSTs the handles to every receiver endpoint concurrently. It raises at the
+    first receiver that cannot be reached or answers an error (the others are left running: the
+    failed update aborts them), so the servers learn of it while they are still waiting."""
 
     def req(zmq_handles: dict[str, str]) -> None:
         targets = [(u, None) for u in urls] + [("http://receiver", p) for p in uds]
         if not targets:  # fails the update on every rank (a req_func failure), instead of a timeout
             raise ValueError("no receivers to call: the update request gave neither update_urls nor update_uds")
-        errors: list[str] = []
+        results: queue.Queue[str | None] = queue.Queue()
 
         def one(url: str, sock: str | None) -> None:
             try:
@@ -114,18 +117,16 @@ def http_req_func(urls: list[str], uds: list[str], timeout_s: float = 600.0) -> 
                 with httpx.Client(transport=transport, timeout=timeout_s) as c:
                     r = c.post(url.rstrip("/") + "/v1/update_weights_from_ipc", json={"zmq_handles": zmq_handles})
             except Exception as e:  # unreachable receiver: fail the update now, not at its timeout
-                errors.append(f"{sock or url}: {type(e).__name__}: {e}")
+                results.put(f"{sock or url}: {type(e).__name__}: {e}")
                 return
-            if r.status_code >= 400:
-                errors.append(f"{sock or url}: HTTP {r.status_code} {r.text[:500]}")
+            results.put(f"{sock or url}: HTTP {r.status_code} {r.text[:500]}" if r.status_code >= 400 else None)
 
-        threads = [threading.Thread(target=one, args=t, daemon=True) for t in targets]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise RuntimeError("receiver call failed: " + "; ".join(errors))
+        for t in targets:
+            threading.Thread(target=one, args=t, daemon=True).start()
+        for _ in targets:
+            error = results.get()
+            if error is not None:
+                raise RuntimeError("receiver call failed: " + error)
 
     return req
 

@@ -139,7 +139,12 @@ class _ReqThread(threading.Thread):
 
 
 class _ReceiverLink:
-    """The server's end of the PAIR socket to its receiver, with death detection."""
+    """The server's end of the PAIR socket to its receiver, with death detection.
+
+    Messages go through an outbox: `post` never blocks (a bound PAIR socket cannot send before
+    its peer connects), so a rank whose receiver is still being started by `req_func` on
+    another rank goes on to the first failure vote instead of waiting for it; anything that
+    waits for a reply delivers the outbox first."""
 
     def __init__(self, ctx: zmq.Context, address: str, rank: int, timeout_s: float,
                  alive: Callable[[], None]):
@@ -154,6 +159,7 @@ class _ReceiverLink:
         self.staged = True  # the receiver's mode, from its "ready"
         self.views_buffer = False  # from its "done": its weights may view the transfer buffer
         self.error_applied: list[str] | None = None  # direct mode: what its error reply said it had loaded
+        self.outbox: deque[tuple[str, bytes]] = deque()  # (op, encoded message), in order
 
     def close(self) -> None:
         try:
@@ -200,16 +206,30 @@ class _ReceiverLink:
                 raise self._fail("timeout", f"receiver ({state}) did not {what} within "
                                  f"{self.timeout_s if timeout_s is None else timeout_s:.1f}s")
 
+    def post(self, msg) -> None:
+        """Queue `msg` and send what the socket takes now, without waiting."""
+        self.outbox.append((msg.op, msg.model_dump_json().encode()))
+        self.flush(block=False)
+
     def send(self, msg, timeout_s: float | None = None) -> None:
+        """Queue `msg` and wait until it and everything queued before it has been sent."""
+        self.outbox.append((msg.op, msg.model_dump_json().encode()))
+        self.flush(block=True, timeout_s=timeout_s)
+
+    def flush(self, block: bool, timeout_s: float | None = None) -> None:
         budget = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget
-        data = msg.model_dump_json().encode()
-        while True:
-            self._wait(zmq.POLLOUT, f"accept {msg.op!r}", max(0.0, deadline - time.monotonic()))
+        while self.outbox:
+            op, data = self.outbox[0]
+            if block:
+                self._wait(zmq.POLLOUT, f"accept {op!r}", max(0.0, deadline - time.monotonic()))
             try:
                 self.sock.send(data, zmq.NOBLOCK)
-                return
+                self.outbox.popleft()
+                continue
             except zmq.Again:
+                if not block:
+                    return
                 # writable at the poll, gone at the send: the receiver disconnected in between
                 # (a killed worker). Its disconnect event, the liveness check or the deadline
                 # turns that into the rank's failure; never an unexpected zmq error.
@@ -217,14 +237,16 @@ class _ReceiverLink:
                 self.alive()
                 if time.monotonic() > deadline:
                     raise self._fail("worker_died", f"the receiver at {self.address} stopped accepting "
-                                     f"messages ({msg.op!r} could not be sent within {budget:.1f}s)") from None
+                                     f"messages ({op!r} could not be sent within {budget:.1f}s)") from None
                 time.sleep(0.01)
 
     def recv(self, what: str, timeout_s: float | None = None):
+        self.flush(block=True, timeout_s=timeout_s)  # the reply may depend on what is still queued
         self._wait(zmq.POLLIN, what, timeout_s)
         return self._decode(self.sock.recv(zmq.NOBLOCK))
 
     def try_recv(self):
+        self.flush(block=False)
         if self.sock.poll(0, zmq.POLLIN):
             return self._decode(self.sock.recv(zmq.NOBLOCK))
         self._check_monitor()
@@ -235,6 +257,8 @@ class _ReceiverLink:
             msg = _WORKER_MSG.validate_json(raw)
         except ValidationError as e:  # a receiver speaking another protocol version: this rank's failure
             raise self._fail("server_error", f"malformed message from the receiver: {e}") from None
+        if isinstance(msg, ReadyReply):
+            self.staged = msg.staged
         if isinstance(msg, ErrorReply):
             self.error_applied = msg.applied
             raise _Failed(RankFailure(rank=self.rank, kind=msg.kind, message=msg.message,
@@ -439,12 +463,15 @@ class ParameterServer:
                 req.start()
             try:
                 if link is not None and buf is not None:
-                    link.send(BufferMsg(handle=buf.handle(), slot_bytes=bucket_bytes, num_slots=cfg.num_slots,
+                    link.post(BufferMsg(handle=buf.handle(), slot_bytes=bucket_bytes, num_slots=cfg.num_slots,
                                         checkpoint=name, num_buckets=len(plan),
                                         sources=[a.handle() for a in ckpt.arenas], zero_copy=zero_copy))
-                    ready = link.recv("report ready")
-                    if isinstance(ready, ReadyReply):
-                        link.staged = ready.staged
+                    if req is not None:
+                        # this rank called req_func: its own receiver's "ready" (or req_func's
+                        # error) is known before the first vote, which the other ranks reach
+                        # without waiting for theirs, so a req_func that reached no receiver
+                        # fails the update everywhere at once
+                        link.recv("report ready")
                 self._mark("connect")
             except _Failed as f:
                 failure = failure or f.failure
@@ -570,7 +597,7 @@ class ParameterServer:
                 torch.cuda.current_stream(slot.device).synchronize()
             if link is not None and failure is None:
                 try:
-                    link.send(BucketMsg.of(k, offsets[k], bucket.items, source=in_place[0] if in_place else None,
+                    link.post(BucketMsg.of(k, offsets[k], bucket.items, source=in_place[0] if in_place else None,
                                            source_offset=in_place[1] if in_place else 0))
                     inflight.append(k)
                 except _Failed as f:
@@ -637,6 +664,8 @@ class ParameterServer:
         applied: list[str] | None = [] if link is None or link.staged else link.error_applied
         if link is not None and failure is not None and failure.kind.startswith("commit_"):
             applied = None
+        if link is not None:
+            link.outbox.clear()  # messages not yet delivered are moot: the abort goes next
         # a dead or hung receiver cannot acknowledge: tell it (best effort) but do not wait
         unresponsive = failure is not None and failure.kind.removeprefix("commit_") in ("worker_died", "timeout")
         if unresponsive and link is not None:
