@@ -6,7 +6,9 @@ Protocol of one `update` (every rank runs it; see the README for the sequence di
 2. each receiving rank binds a ZMQ PAIR socket; the addresses are all-gathered and rank 0
    calls `req_func({device_id: address})` in a thread, which makes the inference side call
    `update_weights_from_ipc`;
-3. each server sends its receiver the two-slot buffer handle and waits for "ready";
+3. each server queues the buffer handle for its receiver (delivered once it connects); a rank
+   that called `req_func` waits for its own receiver's "ready", so that a `req_func` error is
+   known at the first vote, which the other ranks reach without waiting for theirs;
 4. per bucket k: (slots) wait until the receiver acked bucket k-2 so slot k%2 is free; every
    `agree_every` buckets agree that no rank failed (a one-int all-reduce); the owner copies
    host -> its place in the buffer (on CPU it broadcasts from its shared arena in place);
