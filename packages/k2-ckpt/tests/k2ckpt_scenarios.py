@@ -12,6 +12,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from k2_ckpt.adapters import ModuleAdapter
 from k2_ckpt.errors import UpdateError
 from k2_ckpt.harness import EngineProcess, engines_req_func, host_digests, make_tensor
 from k2_ckpt.server import ParameterServer, ServerConfig
@@ -305,36 +306,30 @@ def engine_integrations(rank: int, world: int) -> dict:
     return out
 
 
-class _FaultyAdapter:
-    """ModuleAdapter(assign=True) whose next validate / post_load / load can be made to fail or stall."""
+class _FaultyAdapter(ModuleAdapter):
+    """ModuleAdapter whose next validate / post_load / load can be made to fail or stall."""
 
-    def __new__(cls, module, **kw):
-        from k2_ckpt.adapters import ModuleAdapter
+    fail_validate = fail_post = False
+    slow_load: tuple[str, float] | None = None
 
-        class Faulty(ModuleAdapter):
-            fail_validate = fail_post = False
-            slow_load: tuple[str, float] | None = None
+    def validate(self, name, dtype, shape):
+        if self.fail_validate:
+            self.fail_validate = False
+            raise RuntimeError("injected staging failure")
+        super().validate(name, dtype, shape)
 
-            def validate(self, name, dtype, shape):
-                if self.fail_validate:
-                    self.fail_validate = False
-                    raise RuntimeError("injected staging failure")
-                super().validate(name, dtype, shape)
+    def load_weights(self, named):
+        named = list(named)
+        if self.slow_load and any(n == self.slow_load[0] for n, _ in named):
+            delay, self.slow_load = self.slow_load[1], None
+            time.sleep(delay)
+        super().load_weights(named)
 
-            def load_weights(self, named):
-                named = list(named)
-                if self.slow_load and any(n == self.slow_load[0] for n, _ in named):
-                    delay, self.slow_load = self.slow_load[1], None
-                    time.sleep(delay)
-                super().load_weights(named)
-
-            def post_load(self):
-                super().post_load()
-                if self.fail_post:
-                    self.fail_post = False
-                    raise RuntimeError("injected commit failure")
-
-        return Faulty(module, **kw)
+    def post_load(self):
+        super().post_load()
+        if self.fail_post:
+            self.fail_post = False
+            raise RuntimeError("injected commit failure")
 
 
 def consistency(rank: int, world: int) -> dict:
