@@ -5,7 +5,7 @@ PY         := $(VENV)/bin/python
 PIP        := $(PY) -m pip install -q --disable-pip-version-check
 # On the CI-class machines pip takes this CPU build from local disk; override for a GPU build.
 TORCH_SPEC ?= torch==2.13.0
-PACKAGES   := k2-kernels k2-model k2-optim k2-data k2-ckpt k2-rl
+PACKAGES   := k2-kernels k2-model k2-optim k2-data k2-train k2-ckpt k2-rl
 PY_PKGS    := $(filter-out k2-kernels,$(PACKAGES))
 
 BASE_STAMP    := $(VENV)/.k2-base

@@ -1,4 +1,4 @@
-"""`k2 pretrain` end to end on a small corpus: metrics, plots, checkpoints, exact resume."""
+"""`k2 pretrain` end to end on a small corpus: metrics, plots, train state, exact resume."""
 
 from __future__ import annotations
 
@@ -9,9 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from k2_train import PretrainConfig, run_training
+from k2_train.state import latest_state
+
 from k2_stack.cli import main
-from k2_stack.pretrain import PretrainConfig, run_pretrain
-from k2_stack.pretrain.checkpoint import latest_checkpoint
+
+
+def run_pretrain(cfg: PretrainConfig, resume: bool = False):
+    return run_training(cfg, resume=resume, log=lambda _msg: None)
 
 # A model small enough for a test, with K2's structure (dense first layer, MoE after, MLA).
 SMALL = {
@@ -64,7 +69,7 @@ def _losses(run_dir: Path) -> list[float]:
 
 def test_run_writes_metrics_plots_checkpoint_and_learns(tmp_path, corpus):
     cfg = _cfg(tmp_path, corpus, steps=12)
-    result = run_pretrain(cfg, quiet=True)
+    result = run_pretrain(cfg)
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 13))
     for r in rows:
@@ -78,7 +83,7 @@ def test_run_writes_metrics_plots_checkpoint_and_learns(tmp_path, corpus):
     assert (result.run_dir / "plots" / "loss.png").stat().st_size > 1000
     assert (result.run_dir / "plots" / "max_logit.png").stat().st_size > 1000
     assert (result.run_dir / "tokenizer").is_dir()
-    assert latest_checkpoint(result.run_dir).name == "step_000012"
+    assert latest_state(result.run_dir).name == "step_000012"
     # The WSD schedule: warmup to the peak, then decay to lr * min_lr_ratio at the end.
     assert rows[0]["lr"] == pytest.approx(1e-2 / 2)
     assert max(r["lr"] for r in rows) == pytest.approx(1e-2)
@@ -87,18 +92,18 @@ def test_run_writes_metrics_plots_checkpoint_and_learns(tmp_path, corpus):
 def test_clipping_caps_logits_at_tau(tmp_path, corpus):
     # A tau below the logits this small model reaches (its max logits start near 0.06): heads get
     # clipped, and the optimizer reports it.
-    result = run_pretrain(_cfg(tmp_path, corpus, tau=0.05, lr=3e-2, steps=6, eval_every=0), quiet=True)
+    result = run_pretrain(_cfg(tmp_path, corpus, tau=0.05, lr=3e-2, steps=6, eval_every=0))
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["clipped_heads"] for r in rows) > 0
     assert all(r["clipped_heads"] <= SMALL["num_hidden_layers"] * SMALL["num_attention_heads"] for r in rows)
 
 
 def test_stop_and_resume_is_bit_identical(tmp_path, corpus):
-    full = run_pretrain(_cfg(tmp_path, corpus, out=str(tmp_path / "full")), quiet=True)
+    full = run_pretrain(_cfg(tmp_path, corpus, out=str(tmp_path / "full")))
     assert full.steps_done == 8 and not full.interrupted
-    stopped = run_pretrain(_cfg(tmp_path, corpus, out=str(tmp_path / "part"), stop_at=4), quiet=True)
+    stopped = run_pretrain(_cfg(tmp_path, corpus, out=str(tmp_path / "part"), stop_at=4))
     assert stopped.interrupted and stopped.steps_done == 4
-    resumed = run_pretrain(_cfg(tmp_path, corpus, out=str(tmp_path / "part")), resume=True, quiet=True)
+    resumed = run_pretrain(_cfg(tmp_path, corpus, out=str(tmp_path / "part")), resume=True)
     assert resumed.steps_done == 8
     assert _losses(tmp_path / "part") == _losses(tmp_path / "full")  # exact, not approximate
 
@@ -125,7 +130,7 @@ def test_cli_resume_and_errors(tmp_path, corpus, capsys):
 def test_optimizers_build(tmp_path, corpus):
     from k2_optim import MuonClip
 
-    from k2_stack.pretrain.trainer import build_model, build_optimizer
+    from k2_train.builders import build_model, build_optimizer
 
     model = build_model(_cfg(tmp_path, corpus), 8192, torch.device("cpu"))
     assert isinstance(build_optimizer(_cfg(tmp_path, corpus, optimizer="adamw"), model), torch.optim.AdamW)
@@ -145,7 +150,7 @@ def test_export_loads_in_k2_and_transformers(tmp_path, corpus):
     import transformers
     from k2_model import K2ForCausalLM
 
-    result = run_pretrain(_cfg(tmp_path, corpus, steps=2, eval_every=0), quiet=True)
+    result = run_pretrain(_cfg(tmp_path, corpus, steps=2, eval_every=0))
     hf_dir = tmp_path / "hf"
     assert main(["export", str(result.run_dir), "--out", str(hf_dir)]) == 0
     ids = torch.randint(0, 8192, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -165,7 +170,7 @@ def test_two_process_fsdp2_matches_one_process(tmp_path, corpus):
     import sys
 
     cfg = _cfg(tmp_path, corpus, steps=4, eval_every=0, out=str(tmp_path / "one"))
-    run_pretrain(cfg, quiet=True)
+    run_pretrain(cfg)
     cfg_file = tmp_path / "two.json"
     cfg_file.write_text(json.dumps(dict(cfg.to_dict(), out=str(tmp_path / "two"), micro_batch=0)))
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -210,20 +215,24 @@ def test_two_process_stop_and_resume_is_exact(tmp_path, corpus):
     assert _losses(tmp_path / "part") == _losses(tmp_path / "full")  # exact, not approximate
     # a different process count is refused with a clear message
     with pytest.raises(ValueError, match="same number"):
-        run_pretrain(_cfg(tmp_path, corpus, out=str(tmp_path / "part")), resume=True, quiet=True)
+        run_pretrain(_cfg(tmp_path, corpus, out=str(tmp_path / "part")), resume=True)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_keeps_loss_grads_and_expert_loads(tmp_path, corpus, mode):
-    from k2_stack.pretrain.trainer import build_model, lm_loss
+    from k2_model.parallelize import parallelize
+    from k2_train.builders import build_model
+    from k2_train.losses import NextTokenLoss, mean_loss
 
     ids = torch.randint(0, 8192, (2, 32), generator=torch.Generator().manual_seed(1))
     results = []
     for ac in ("none", mode):
-        model = build_model(_cfg(tmp_path, corpus, activation_checkpointing=ac, model_overrides=dict(SMALL, num_hidden_layers=3)),
-                            8192, torch.device("cpu"))
+        model = build_model(_cfg(tmp_path, corpus, model_overrides=dict(SMALL, num_hidden_layers=3)), 8192, torch.device("cpu"))
+        parallelize(model, activation_checkpointing=ac)
+        assert [layer.activation_checkpointing for layer in model.model.layers] == {
+            "none": [False] * 3, "full": [True] * 3, "selective": [True, False, True]}[ac]
         model.train()
-        loss = lm_loss(model, ids[:, :-1], ids[:, 1:])
+        loss = mean_loss(NextTokenLoss(), model, {"input_ids": ids[:, :-1], "shift_labels": ids[:, 1:]})
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results.append((loss.detach(), grads, model.expert_load().clone(), model.attention_max_logits().clone()))
@@ -240,21 +249,21 @@ def test_document_mask_equals_separate_documents(tmp_path, corpus):
     """With the document mask, a packed sample's loss equals running each document on its own."""
     import torch.nn.functional as F
 
-    from k2_stack.pretrain.data import build_datasets, prepare_tokenized
-    from k2_stack.pretrain.trainer import build_model, lm_loss
+    from k2_train.builders import build_model
+    from k2_train.data import build_datasets, prepare_tokenized
 
     cfg = _cfg(tmp_path, corpus, document_mask=True, seq_len=256)
     train, _ = build_datasets(cfg, prepare_tokenized(cfg))
-    s = next(train[g] for g in range(len(train)) if train[g]["doc_ids"].max() >= 1)
+    s = next(train[g] for g in range(len(train)) if train[g]["document_ids"].max() >= 1)
     b = {k: torch.from_numpy(v).long().unsqueeze(0) for k, v in s.items()}
     model = build_model(cfg, 8192, torch.device("cpu")).eval()
     with torch.no_grad():
-        packed = lm_loss(model, b["input_ids"], b["labels"], b["position_ids"], b["doc_ids"])
+        packed = model(**b).loss  # the loader's keys are the model's arguments
         total, count = 0.0, 0
-        for d in b["doc_ids"].unique():
-            sel = b["doc_ids"][0] == d
+        for d in b["document_ids"].unique():
+            sel = b["document_ids"][0] == d
             logits = model(b["input_ids"][:, sel]).logits[0]
-            lab = b["labels"][0, sel]
+            lab = b["shift_labels"][0, sel]
             total += F.cross_entropy(logits, lab, ignore_index=-100, reduction="sum").item()
             count += int((lab != -100).sum())
     assert packed.item() == pytest.approx(total / count, rel=1e-5)
@@ -268,7 +277,7 @@ def test_ctrl_c_saves_and_resume_continues_exactly(tmp_path, corpus):
     import sys
     import time
 
-    run_pretrain(_cfg(tmp_path, corpus, steps=40, eval_every=0, out=str(tmp_path / "full")), quiet=True)
+    run_pretrain(_cfg(tmp_path, corpus, steps=40, eval_every=0, out=str(tmp_path / "full")))
     cfg_file = tmp_path / "int.json"
     cfg_file.write_text(json.dumps(_cfg(tmp_path, corpus, steps=40, eval_every=0, out=str(tmp_path / "int")).to_dict()))
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -282,7 +291,7 @@ def test_ctrl_c_saves_and_resume_continues_exactly(tmp_path, corpus):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     done = json.loads(out.strip().splitlines()[-1])["steps_done"]
-    assert 3 <= done < 40 and latest_checkpoint(tmp_path / "int").name == f"step_{done:06d}"
+    assert 3 <= done < 40 and latest_state(tmp_path / "int").name == f"step_{done:06d}"
     assert len(_losses(tmp_path / "int")) == done  # nothing logged past the checkpoint
     assert main(["pretrain", "--resume", str(tmp_path / "int"), "--json"]) == 0
     assert _losses(tmp_path / "int") == _losses(tmp_path / "full")

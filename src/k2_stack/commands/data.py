@@ -4,6 +4,9 @@ k2 data tokenize [INPUT ...] --out DIR [--tokenizer PATH] [--text-field text] [-
                  [--workers N] [--on-error fail|skip] [--shard-mb 16] [--engine auto|hf]
 k2 data train-tokenizer [INPUT ...] --out DIR [--vocab-size 8192]
 k2 data inspect DIR [--seq-len 256] [--show 1]
+k2 data sft INPUT... --out DIR [--tokenizer PATH] [--workers N] [--on-error skip|fail]
+            [--messages-field messages] [--tools-field tools] [--format arrow|parquet] [--shard-mb 16]
+k2 data tooluse-example --out DIR [--n-train 2000] [--n-heldout 200] [--seed 0]
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "data",
-        help="data: tokenize corpora to Arrow shards, train a tokenizer, inspect a dataset",
+        help="data: tokenize corpora (text or SFT chat) to Arrow shards, train a tokenizer, inspect a dataset",
         description="Data pipeline commands (k2-data).",
     )
     sub = parser.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
@@ -69,6 +72,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     insp.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     insp.set_defaults(func=run_inspect)
 
+    sft = sub.add_parser(
+        "sft",
+        help="tokenize chat conversations (JSONL/Parquet/Arrow) into SFT shards with a loss mask",
+        description=(
+            "Tokenize chat records {\"messages\": [...], \"tools\": [...]} (OpenAI format, tool calls included) "
+            "in the Kimi K2 chat format into shards with one row per conversation (input_ids list<int32>, "
+            "loss_mask list<uint8>: 1 on assistant turns, doc_id, source) and a manifest.json with "
+            "\"kind\": \"chat\". Records that are not valid JSON, lack messages or fail validation (unanswered "
+            "tool calls, undeclared functions, arguments that are not a JSON object, no assistant turn, ...) "
+            "are listed with file:line and skipped (or fail the run with --on-error fail). Resumable."
+        ),
+    )
+    sft.add_argument("inputs", nargs="+", metavar="INPUT", help="JSONL, Parquet or Arrow files, or directories of them")
+    sft.add_argument("--out", required=True, type=Path, help="output directory")
+    sft.add_argument("--tokenizer", help="tokenizer dir or tokenizer.json (default: k2-data's bundled 8192-id BPE)")
+    sft.add_argument("--messages-field", default="messages", help="field/column holding the messages list")
+    sft.add_argument("--tools-field", default="tools", help="field/column holding the tools list (optional per record)")
+    sft.add_argument("--format", choices=["arrow", "parquet"], default="arrow", help="shard format")
+    sft.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="processes")
+    sft.add_argument("--on-error", choices=["skip", "fail"], default="skip",
+                     help="a bad record is skipped and listed (default) or fails the run")
+    sft.add_argument("--shard-mb", type=float, default=16.0, help="input per shard, in MiB")
+    sft.set_defaults(func=run_sft)
+
+    ex = sub.add_parser(
+        "tooluse-example",
+        help="write the generated tool-use SFT set (train.jsonl + heldout.jsonl)",
+        description=(
+            "Write k2-data's deterministic, generated tool-use SFT set: calculator, unit conversion, weather "
+            "and time tools plus no-tool chit-chat. train.jsonl holds whole conversations (tokenize them with "
+            "`k2 data sft`); heldout.jsonl holds prompts (system + user) with a \"reference\" call or null."
+        ),
+    )
+    ex.add_argument("--out", required=True, type=Path, help="output directory")
+    ex.add_argument("--n-train", type=int, default=2000, help="training conversations")
+    ex.add_argument("--n-heldout", type=int, default=200, help="held-out prompts")
+    ex.add_argument("--seed", type=int, default=0, help="generator seed (same seed, same bytes)")
+    ex.set_defaults(func=run_tooluse_example)
+
 
 def run_tokenize(args: argparse.Namespace) -> int:
     from k2_data import BadRecordError, TokenizeConfig, tokenize_corpus
@@ -98,13 +140,84 @@ def run_tokenize(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
     dt = time.perf_counter() - t0
-    for rec in manifest["skipped"][:20]:
-        print(f"skipped {rec['file']}:{rec['where']}: {rec['reason']}", file=sys.stderr)
-    if manifest["num_skipped"] > 20:
-        print(f"... {manifest['num_skipped'] - 20} more skipped records in manifest.json", file=sys.stderr)
+    _print_skipped(manifest, limit=20)
     print(f"{manifest['num_docs']} documents, {manifest['num_tokens']} tokens in {len(manifest['shards'])} shards "
           f"({manifest['resumed_shards']} kept from an earlier run), {manifest['num_skipped']} skipped, "
           f"{manifest['num_tokens'] / max(dt, 1e-9):,.0f} tokens/s")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _print_skipped(manifest: dict, limit: int = 10) -> None:
+    for rec in manifest["skipped"][:limit]:
+        print(f"skipped {rec['file']}:{rec['where']}: {rec['reason']}", file=sys.stderr)
+    if manifest["num_skipped"] > limit:
+        print(f"... {manifest['num_skipped'] - limit} more skipped records in manifest.json", file=sys.stderr)
+
+
+def run_sft(args: argparse.Namespace) -> int:
+    from k2_data import BadRecordError
+    from k2_data.sft import SFTConfig, tokenize_chat
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    console = Console(stderr=True)
+    try:
+        cfg = SFTConfig(messages_field=args.messages_field, tools_field=args.tools_field, format=args.format,
+                        workers=args.workers, on_error=args.on_error, shard_bytes=max(1, int(args.shard_mb * 2**20)))
+        cfg.validate()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"tokenizing chat records from {', '.join(args.inputs)} -> {args.out} ({cfg.format}, {cfg.workers} workers, "
+          f"on error: {cfg.on_error}, tokenizer {args.tokenizer or 'k2-data default BPE'})", file=sys.stderr)
+    t0 = time.perf_counter()
+    with Progress(TextColumn("shards"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task("sft", total=None)
+
+        def on_shard(done: int, total: int, meta: dict) -> None:
+            progress.update(task, completed=done, total=total)
+
+        try:
+            manifest = tokenize_chat(args.inputs, args.out, tokenizer=args.tokenizer, config=cfg, progress=on_shard)
+        except (BadRecordError, ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    dt = time.perf_counter() - t0
+    _print_skipped(manifest)
+    table = Table(title="k2 data sft", show_header=False)
+    table.add_column("what", justify="right")
+    table.add_column("value")
+    for what, value in [
+        ("conversations", f"{manifest['num_docs']:,}"),
+        ("tokens", f"{manifest['num_tokens']:,}"),
+        ("trained tokens (mask 1)", f"{manifest['num_trained_tokens']:,} "
+                                    f"({manifest['num_trained_tokens'] / max(manifest['num_tokens'], 1):.1%})"),
+        ("skipped records", f"{manifest['num_skipped']:,}"),
+        ("shards", f"{len(manifest['shards'])} ({manifest['resumed_shards']} kept from an earlier run)"),
+        ("seconds", f"{dt:.2f}"),
+    ]:
+        table.add_row(what, value)
+    Console().print(table)
+    print(f"{manifest['num_docs']} conversations, {manifest['num_tokens']} tokens, "
+          f"{manifest['num_trained_tokens']} trained, {manifest['num_skipped']} skipped")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def run_tooluse_example(args: argparse.Namespace) -> int:
+    from k2_data.examples.tooluse import write_tooluse_dataset
+
+    print(f"generating the tool-use SFT set (seed {args.seed}): {args.n_train} train, {args.n_heldout} held-out "
+          f"-> {args.out}", file=sys.stderr)
+    try:
+        counts = write_tooluse_dataset(args.out, n_train=args.n_train, n_heldout=args.n_heldout, seed=args.seed)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(", ".join(f"{k} {v}" for k, v in counts.items() if not isinstance(v, dict)))
     print(f"wrote {args.out}")
     return 0
 

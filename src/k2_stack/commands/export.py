@@ -1,4 +1,4 @@
-"""`k2 export RUN_DIR --out HF_DIR`: a pretraining run's latest checkpoint as an HF-format model."""
+"""`k2 export RUN_DIR --out HF_DIR`: a run's latest train state as an HF-format model."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ from pathlib import Path
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
-        help="write a pretraining run's latest checkpoint as an HF-format directory",
+        help="write a k2 pretrain/sft run's latest weights as an HF-format directory",
         description="Write config.json, safetensors (DeepseekV3ForCausalLM names) and the tokenizer of a "
-        "`k2 pretrain` run into --out, loadable by K2ForCausalLM.from_pretrained and transformers.",
+        "`k2 pretrain` or `k2 sft` run into --out, loadable by K2ForCausalLM.from_pretrained and transformers.",
     )
-    p.add_argument("run_dir", type=Path, help="a `k2 pretrain` run directory")
+    p.add_argument("run_dir", type=Path, help="a `k2 pretrain` or `k2 sft` run directory")
     p.add_argument("--out", type=Path, required=True, help="the HF-format output directory")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from k2_stack.pretrain.export import export_run
+    from k2_train.export import export_run
 
     try:
         out = export_run(args.run_dir, args.out)

@@ -10,6 +10,7 @@ Parameter names equal transformers' DeepseekV3ForCausalLM, except routed experts
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -276,12 +277,43 @@ class DecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Set by k2_model.parallelize.apply_activation_checkpointing: recompute this layer in
+        # backward instead of keeping its activations.
+        self.activation_checkpointing = False
 
     def forward(
         self, x_BSD: Tensor, cos: Tensor, sin: Tensor, mask_BSL: Tensor | None, segments: PackedSegments | None = None
     ) -> Tensor:
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(
+                self._forward, x_BSD, cos, sin, mask_BSL, segments, use_reentrant=False, context_fn=self._recompute_contexts
+            )
+        return self._forward(x_BSD, cos, sin, mask_BSL, segments)
+
+    def _forward(
+        self, x_BSD: Tensor, cos: Tensor, sin: Tensor, mask_BSL: Tensor | None, segments: PackedSegments | None
+    ) -> Tensor:
         x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos, sin, mask_BSL, segments)
         return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
+
+    def _recompute_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """(forward, recompute) contexts of the checkpointed layer. The recompute runs in training
+        mode, so the router would count its tokens into the expert loads a second time; the
+        recompute context restores the loads. (The max logits it re-records are the same values,
+        and a max is unchanged by a repeat.)"""
+        return contextlib.nullcontext(), _keep_expert_loads(self.mlp.gate if isinstance(self.mlp, MoE) else None)
+
+
+@contextlib.contextmanager
+def _keep_expert_loads(router: Router | None):
+    saved = None if router is None else router.expert_load.clone()
+    try:
+        yield
+    finally:
+        if router is not None:
+            router.expert_load.copy_(saved)
 
 
 class K2Model(nn.Module):
@@ -420,26 +452,32 @@ class K2ForCausalLM(nn.Module):
         position_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
         document_ids: Tensor | None = None,
+        shift_labels: Tensor | None = None,
     ) -> K2CausalLMOutput:
-        """Logits [B, S, N]; with labels, the mean next-token cross-entropy (ignore_index -100).
+        """Logits [B, S, N]; with targets, the mean next-token cross-entropy (ignore_index -100).
 
+        Targets come in one of two conventions, as in transformers: `labels` [B, S] are the input
+        tokens (position t is scored against labels[t + 1]; the model shifts), `shift_labels`
+        [B, S] are already the next tokens (position t against shift_labels[t]; k2-data's loader
+        yields these, so `model(**batch).loss` is the training loss). Passing both is an error.
         `attention_mask` [B, S]: 1 = token, 0 = padding. `document_ids` [B, S]: packed sequences
         attend only within their document (pass position_ids that restart per document too).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if labels is not None and shift_labels is not None:
+            raise ValueError("pass either labels (unshifted, HF convention) or shift_labels (next tokens), not both")
+        for name, t in (("labels", labels), ("shift_labels", shift_labels)):
+            if t is not None and t.shape != input_ids.shape:
+                raise ValueError(f"{name} shape {tuple(t.shape)} != input_ids shape {tuple(input_ids.shape)}")
         h_BSD = self.model(input_ids, position_ids, attention_mask, document_ids)
         logits_BSN = self.lm_head(h_BSD)
         loss = None
-        if labels is not None:
-            if labels.shape != input_ids.shape:
-                raise ValueError(
-                    f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}"
-                )
-            # shift: position t predicts labels[t + 1]
-            shift_BS = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        if labels is not None:  # position t predicts labels[t + 1]
+            shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        if shift_labels is not None:
             loss = F.cross_entropy(
-                logits_BSN.float().reshape(-1, logits_BSN.shape[-1]), shift_BS.reshape(-1), ignore_index=-100
+                logits_BSN.float().reshape(-1, logits_BSN.shape[-1]), shift_labels.reshape(-1), ignore_index=-100
             )
         return K2CausalLMOutput(logits=logits_BSN, loss=loss)
 

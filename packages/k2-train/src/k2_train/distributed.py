@@ -1,11 +1,10 @@
-"""Data-parallel pretraining with FSDP2 (`torchrun --nproc-per-node N -m k2_stack pretrain ...`).
+"""The process group a training run joins, and the few collectives the loop needs.
 
-Each decoder layer and the root are wrapped by `fully_shard` (parameters sharded on dim 0; the
-stacked routed experts [E, I, D] therefore split by expert). The loader gives each rank its slice of
-the same global batch, FSDP2 averages gradients, MuonClip runs its distributed Newton-Schulz and
-MAX-reduces the recorded logits, and the model all-reduces expert loads for the bias update, so a
-run on N processes follows the 1-process run with the same global batch up to rounding.
-gloo on CPU, NCCL on GPU.
+Under torchrun (WORLD_SIZE > 1) `init_distributed` joins the group the environment describes:
+gloo on CPU, NCCL on GPU. Every helper is a no-op in a single process, so the loop reads the same
+either way. Full (unsharded) state dicts go through torch.distributed.checkpoint's state_dict API:
+a collective whose result lands on rank 0, so a multi-process run's checkpoint loads, exports
+and resumes like a single-process one.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -48,18 +47,13 @@ def init_distributed(device_type: str) -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, created)
 
 
-def shard_model(model: nn.Module, compute_dtype: torch.dtype = torch.float32) -> None:
-    """FSDP2 per decoder layer and at the root. With bf16 compute the policy is K2's: bf16
-    parameters in forward/backward, fp32 master weights and fp32 gradient reduction."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+def shutdown(info: DistInfo) -> None:
+    if info.initialized_here and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def all_reduce_scalar(value: float, op: str, info: DistInfo, device: torch.device) -> float:
+    """`op`: "sum", "mean" or "max" over ranks (float64 on the wire)."""
     if not info.enabled:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
@@ -80,6 +74,13 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
+def to_float(t: torch.Tensor) -> float:
+    """A scalar that may be a DTensor (e.g. the grad norm of sharded parameters)."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return float(t)
+
+
 def full_model_state_dict(model: nn.Module, info: DistInfo) -> dict[str, torch.Tensor]:
     """The whole model's state on CPU (a collective under FSDP2; the full dict lands on rank 0)."""
     if not info.enabled:
@@ -97,42 +98,33 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    sd = dict(get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    sd = dict(get_optimizer_state_dict(model, optimizer, options=opts))
     sd.update({k: v for k, v in optimizer.state_dict().items() if k not in ("state", "param_groups")})
     return sd
 
 
-def load_full_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict, info: DistInfo
-) -> None:
-    """Inverse of `full_model_state_dict` / `full_optimizer_state_dict`: every rank passes the
-    full dicts (read from the same checkpoint) and keeps its own shards."""
+def load_full_model_state(model: nn.Module, model_sd: dict, info: DistInfo) -> None:
+    """Inverse of `full_model_state_dict`: every rank passes the full dict and keeps its shards."""
     if not info.enabled:
         model.load_state_dict(model_sd)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, model_sd, options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, optim_sd: dict, info: DistInfo
+) -> None:
+    """Inverse of `full_optimizer_state_dict` (every rank passes the full dict)."""
+    if not info.enabled:
         optimizer.load_state_dict(optim_sd)
         return
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    opts = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_sd, options=opts)
     core = {k: optim_sd[k] for k in ("state", "param_groups")}
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=core, options=opts)
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=core, options=StateDictOptions(full_state_dict=True))
     extras = {k: v for k, v in optim_sd.items() if k not in core}
     if extras:  # re-load the now sharded state together with the extras through the optimizer's API
         optimizer.load_state_dict({**optimizer.state_dict(), **extras})
-
-
-def to_float(t: torch.Tensor) -> float:
-    """A scalar that may be a DTensor (e.g. the grad norm of sharded parameters)."""
-    if hasattr(t, "full_tensor"):
-        t = t.full_tensor()
-    return float(t)
-
-
-def shutdown(info: DistInfo) -> None:
-    if info.initialized_here and dist.is_initialized():
-        dist.destroy_process_group()

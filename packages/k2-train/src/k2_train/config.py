@@ -1,4 +1,5 @@
-"""The pretraining run configuration: one dataclass, loadable from JSON/TOML, overridable by flags."""
+"""Run configurations: one dataclass per task (pretraining, SFT), loadable from JSON/TOML,
+overridable by flags. `TrainConfig.trainer_config()` is the part the Trainer itself reads."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 OPTIMIZERS = ("muonclip", "muon", "adamw")
+PACKINGS = ("stream", "whole")
 
 
 @dataclass
@@ -44,6 +46,9 @@ class PretrainConfig:
     val_fraction: float = 0.02
     # Attend only within each packed document, with positions restarting at its start.
     document_mask: bool = False
+    # "stream": documents concatenated and cut into windows (every token a label once);
+    # "whole": each sample holds whole documents only, padded (SFT conversations).
+    packing: str = "stream"
     eval_every: int = 50
     eval_batches: int = 4
     # run
@@ -64,10 +69,12 @@ class PretrainConfig:
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 on GPU
     device: str = "auto"
 
+    task = "pretrain"  # a class attribute: which entry point's config this is
+
     def validate(self) -> None:
         def need(cond: bool, name: str, what: str) -> None:
             if not cond:
-                raise ValueError(f"pretrain config: {name}={getattr(self, name)!r}: expected {what}")
+                raise ValueError(f"{self.task} config: {name}={getattr(self, name)!r}: expected {what}")
 
         need(self.optimizer in OPTIMIZERS, "optimizer", f"one of {', '.join(OPTIMIZERS)}")
         need(self.lr > 0, "lr", "> 0")
@@ -87,6 +94,22 @@ class PretrainConfig:
         need(self.activation_checkpointing in ("none", "full", "selective"), "activation_checkpointing",
              "none, full or selective")
         need(self.attention in ("auto", "fused", "sdpa", "eager"), "attention", "auto, fused, sdpa or eager")
+        need(self.packing in PACKINGS, "packing", " or ".join(PACKINGS))
+        need(self.stop_at >= 0, "stop_at", ">= 0")
+
+    def trainer_config(self):
+        from k2_train.trainer import TrainerConfig
+
+        return TrainerConfig(
+            steps=self.steps,
+            micro_batch=self.micro_batch,
+            grad_clip=self.grad_clip,
+            bias_update_speed=self.bias_update_speed,
+            eval_every=self.eval_every,
+            save_every=self.save_every,
+            stop_at=self.stop_at,
+            log_post_clip_logit=self.log_post_clip_logit,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -103,7 +126,7 @@ class PretrainConfig:
     def from_file(cls, path: str | Path) -> PretrainConfig:
         p = Path(path)
         if not p.is_file():
-            raise FileNotFoundError(f"pretrain config file {p} not found")
+            raise FileNotFoundError(f"{cls.task} config file {p} not found")
         text = p.read_text()
         try:
             if p.suffix == ".toml":
@@ -114,5 +137,31 @@ class PretrainConfig:
                 d = json.loads(text)
         except ValueError as e:  # json.JSONDecodeError and tomllib.TOMLDecodeError are ValueErrors
             raise ValueError(f"{p}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from e
-        d = d.get("pretrain", d)
+        d = d.get(cls.task, d)
         return cls.from_dict(d, source=str(p))
+
+
+@dataclass
+class SFTConfig(PretrainConfig):
+    """Supervised fine-tuning on chat data: the same run, with chat data, a masked loss (the
+    data's loss mask: assistant turns only), whole-conversation packing and a document mask."""
+
+    # Start from these weights: an HF-format dir (`k2 export`, from_pretrained) or a k2 run dir
+    # (its latest train state); None = a random init of `preset`.
+    init: str | None = None
+    # data: None = the shipped tool-use example set (k2_data.examples.tooluse), generated once
+    data: str | None = None
+    packing: str = "whole"
+    document_mask: bool = True
+    seq_len: int = 512
+    steps: int = 300
+    batch: int = 16
+    lr: float = 1e-2
+    adamw_lr: float = 3e-3
+    warmup_steps: int = 20
+    eval_every: int = 50
+    save_every: int = 100
+    val_fraction: float = 0.05
+    out: str = "runs/sft"
+
+    task = "sft"

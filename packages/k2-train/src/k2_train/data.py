@@ -1,5 +1,9 @@
-"""Data for pretraining: the corpus (default: this interpreter's standard library source) is
-tokenized once into a cache directory keyed by its inputs, then packed into train/val samples."""
+"""Data for a run: tokenized once into a cache directory keyed by its inputs, then packed into
+train/val samples.
+
+Pretraining: text (default: this interpreter's standard library source). SFT: chat records
+(default: the tool-use example set k2-data generates), rendered in the Kimi format with a loss
+mask on the assistant turns."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from k2_data import (
     tokenize_corpus,
 )
 
-from k2_stack.pretrain.config import PretrainConfig
+from k2_train.config import PretrainConfig, SFTConfig
 
 
 def cache_root() -> Path:
@@ -36,6 +40,8 @@ def _limited_default_corpus(max_mb: float) -> list[Path]:
 
 def prepare_tokenized(cfg: PretrainConfig, workers: int = 0) -> Path:
     """A tokenized dataset directory for `cfg.data` (tokenizing into the cache when needed)."""
+    if isinstance(cfg, SFTConfig):
+        return prepare_chat(cfg, workers)
     tok_config = TokenizeConfig(workers=workers or max(1, min(4, os.cpu_count() or 1)))
     if cfg.data is not None and (Path(cfg.data) / "manifest.json").is_file():
         return Path(cfg.data)
@@ -61,7 +67,10 @@ def prepare_tokenized(cfg: PretrainConfig, workers: int = 0) -> Path:
 def build_datasets(cfg: PretrainConfig, tokenized: Path) -> tuple[PackedDataset, PackedDataset | None]:
     """Train and held-out splits (by document); the held-out one is None when the corpus has too
     few documents to hold any out at `val_fraction`."""
-    common = dict(seq_len=cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction, document_mask=cfg.document_mask)
+    common = dict(
+        seq_len=cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction, document_mask=cfg.document_mask,
+        packing=cfg.packing,
+    )
     train = PackedDataset(tokenized, split="train", **common)
     try:
         val = PackedDataset(tokenized, split="val", **common)
@@ -72,3 +81,32 @@ def build_datasets(cfg: PretrainConfig, tokenized: Path) -> tuple[PackedDataset,
 
 def build_loader(train: PackedDataset, per_rank_batch: int, rank: int, world_size: int) -> StatefulLoader:
     return StatefulLoader(train, batch_size=per_rank_batch, rank=rank, world_size=world_size, num_workers=1)
+
+
+def prepare_chat(cfg: SFTConfig, workers: int = 0) -> Path:
+    """A tokenized chat dataset (with loss masks) for `cfg.data`; None = the tool-use example set,
+    generated and tokenized into the cache once."""
+    from k2_data.sft import ChatTokenizeConfig, tokenize_chat
+
+    if cfg.data is not None and (Path(cfg.data) / "manifest.json").is_file():
+        return Path(cfg.data)
+    if cfg.data is not None and not Path(cfg.data).exists():
+        raise FileNotFoundError(f"--data {cfg.data}: no such file or directory")
+    source = Path(cfg.data) if cfg.data is not None else tooluse_example_dir() / "train.jsonl"
+    key = repr((str(source.resolve()), source.stat().st_mtime_ns if source.is_file() else 0,
+                str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else "<default>"))
+    cache = cache_root() / "tokenized-chat" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    config = ChatTokenizeConfig(workers=workers or 1)
+    if not (cache / "manifest.json").is_file():
+        tokenize_chat([source], cache, tokenizer=cfg.tokenizer, config=config)
+    return cache
+
+
+def tooluse_example_dir() -> Path:
+    """The shipped tool-use SFT set (train.jsonl, heldout.jsonl), generated once into the cache."""
+    from k2_data.examples.tooluse import write_tooluse_dataset
+
+    out = cache_root() / "examples" / "tooluse-v1"
+    if not (out / "train.jsonl").is_file() or not (out / "heldout.jsonl").is_file():
+        write_tooluse_dataset(out)
+    return out

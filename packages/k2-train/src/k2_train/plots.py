@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,15 +11,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless: files only
 import matplotlib.pyplot as plt  # noqa: E402
 
-
-def read_metrics(path: Path) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                rows.append(json.loads(line))
-    return rows
+from k2_train.metrics import read_metrics  # noqa: E402,F401  (plots are drawn from metrics.jsonl rows)
 
 
 def _ema(values: Sequence[float], decay: float) -> list[float]:

@@ -1,0 +1,43 @@
+"""k2-train: the training loop K2's pretraining, SFT and RL share.
+
+    from k2_train import Trainer, TrainerConfig, NextTokenLoss, TrainState, ModelState, OptimizerState
+
+- `Trainer(model, optimizer, loss, scheduler, config=TrainerConfig(steps=...))`: `train_step(batch)
+  -> StepMetrics` (micro-batches, gradient accumulation normalised over the whole step, grad-norm
+  clip, optimizer step with QK-Clip, schedule, aux-loss-free bias update) and `fit(loader, state)`.
+- Losses are pluggable (`k2_train.losses.Loss`): next-token cross-entropy for pretraining, the
+  same masked by the data for SFT, the RL objective in k2-rl.
+- `TrainState`: named stateful components saved atomically; exact resume, 1 or N processes.
+- `run_training(PretrainConfig | SFTConfig)`: a whole run (what `k2 pretrain` / `k2 sft` call).
+"""
+
+__version__ = "0.1.0"
+
+from k2_train.config import PretrainConfig, SFTConfig  # noqa: E402
+from k2_train.distributed import DistInfo  # noqa: E402
+from k2_train.losses import Loss, NextTokenLoss  # noqa: E402
+from k2_train.metrics import Callback, JSONLMetrics, PlainProgress, StepMetrics  # noqa: E402
+from k2_train.run import RunResult, run_training  # noqa: E402
+from k2_train.state import ModelState, OptimizerState, RNGState, TrainState  # noqa: E402
+from k2_train.trainer import FitResult, Trainer, TrainerConfig  # noqa: E402
+
+__all__ = [
+    "Callback",
+    "DistInfo",
+    "FitResult",
+    "JSONLMetrics",
+    "Loss",
+    "ModelState",
+    "NextTokenLoss",
+    "OptimizerState",
+    "PlainProgress",
+    "PretrainConfig",
+    "RNGState",
+    "RunResult",
+    "SFTConfig",
+    "StepMetrics",
+    "TrainState",
+    "Trainer",
+    "TrainerConfig",
+    "run_training",
+]

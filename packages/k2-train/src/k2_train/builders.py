@@ -1,0 +1,129 @@
+"""Builders from a run config: device and dtype, the model (a preset's random init, or weights to
+start from), the optimizer and the WSD schedule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from k2_model import K2Config, K2ForCausalLM
+from k2_optim import MuonClip, wsd_schedule
+from torch import nn
+
+from k2_train.config import PretrainConfig
+
+
+def resolve_device(cfg: PretrainConfig) -> tuple[torch.device, torch.dtype]:
+    if cfg.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(cfg.device)
+    if cfg.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
+    return device, dtype
+
+
+def model_config(cfg: PretrainConfig) -> K2Config:
+    """The architecture: the init weights' config when the run starts from some, else the preset."""
+    init = getattr(cfg, "init", None)
+    if init is None:
+        return K2Config.preset(cfg.preset, **cfg.model_overrides)
+    path = Path(init)
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return K2Config.from_hf(str(path))
+    from k2_train.state import read_state
+
+    meta = read_state(path)["meta"]
+    if "model_config" in meta:
+        return K2Config.from_hf(meta["model_config"])
+    saved = meta.get("config", {})
+    return K2Config.preset(saved.get("preset", "tiny"), **saved.get("model_overrides", {}))
+
+
+def load_init_weights(model: K2ForCausalLM, init: str) -> str:
+    """Load `init` (an HF-format dir or a k2 run / train-state dir) into `model`; returns what it was."""
+    path = Path(init)
+    if not path.exists():
+        raise FileNotFoundError(f"--init {init}: no such directory")
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        loaded = K2ForCausalLM.from_pretrained(str(path))
+        model.load_state_dict(loaded.state_dict())
+        return f"HF weights {path}"
+    from k2_train.state import read_state
+
+    try:
+        state = read_state(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"--init {init}: neither an HF-format model dir (config.json + *.safetensors) nor a k2 run "
+            "with a saved train state"
+        ) from None
+    model.load_state_dict(state["components"]["model"])
+    return f"train state of {path} (step {state['step']})"
+
+
+def build_model(cfg: PretrainConfig, vocab_size: int, device: torch.device) -> K2ForCausalLM:
+    """The model on `device`: seeded random init, then the `init` weights when the config has them."""
+    config = model_config(cfg)
+    if config.vocab_size < vocab_size:
+        where = f"--init {cfg.init}" if getattr(cfg, "init", None) else f"preset {cfg.preset!r}"
+        raise ValueError(
+            f"{where} has vocab_size={config.vocab_size}, smaller than the tokenizer's {vocab_size}; "
+            "set model_overrides.vocab_size (or use the tokenizer the model was trained with)"
+        )
+    torch.manual_seed(cfg.seed)
+    model = K2ForCausalLM(config)
+    if getattr(cfg, "init", None):
+        load_init_weights(model, cfg.init)
+    model = model.to(device)
+    model.set_attention_impl(cfg.attention)
+    return model
+
+
+def describe_attention(model: K2ForCausalLM, cfg: PretrainConfig, device: torch.device) -> str:
+    """Which attention path training uses, for the start-up line."""
+    from k2_model.model import fused_attention_available
+
+    c = model.config
+    fused = fused_attention_available(device, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim)
+    if cfg.attention == "auto":
+        return "fused (k2_kernels)" if fused else "sdpa/eager (no compiled k2_kernels attention here)"
+    return cfg.attention
+
+
+def build_optimizer(cfg: PretrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw":
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+        )
+    # Muon for hidden matrices, AdamW for embeddings / head / 1-D; QK-Clip only for "muonclip".
+    opt = MuonClip(model, lr=cfg.lr, weight_decay=cfg.weight_decay, tau=cfg.tau if cfg.optimizer == "muonclip" else None)
+    if cfg.adamw_lr:
+        for group in opt.param_groups:
+            if group.get("algorithm") == "adamw":
+                group["lr"] = cfg.adamw_lr
+    return opt
+
+
+def build_schedule(cfg: PretrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """WSD: `warmup_steps`, then constant, then a cosine decay over `decay_fraction` of the run."""
+    warmup = min(cfg.warmup_steps, cfg.steps)
+    decay = min(int(round(cfg.steps * cfg.decay_fraction)), cfg.steps - warmup)
+    return wsd_schedule(optimizer, warmup, cfg.steps - warmup - decay, decay, cfg.min_lr_ratio)
+
+
+__all__ = [
+    "build_model",
+    "build_optimizer",
+    "build_schedule",
+    "describe_attention",
+    "load_init_weights",
+    "model_config",
+    "resolve_device",
+]
