@@ -44,8 +44,8 @@ from collections.abc import Callable  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from k2_kernels import info as kernels_info  # noqa: E402
 from k2_kernels import attention_ops, ops, reference  # noqa: E402
+from k2_kernels import info as kernels_info  # noqa: E402
 
 DK, DV = 192, 128
 IMPLS = ("ours", "eager", "sdpa", "sdpa+max")

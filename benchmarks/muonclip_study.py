@@ -31,11 +31,11 @@ import subprocess  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from k2_train import PretrainConfig, run_training  # noqa: E402
+from k2_train.metrics import read_metrics  # noqa: E402
+from k2_train.plots import plot_runs  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
-
-from k2_stack.pretrain import PretrainConfig, run_pretrain  # noqa: E402
-from k2_stack.pretrain.plots import plot_runs, read_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,7 +102,7 @@ def main() -> None:
         t0 = time.perf_counter()
         if not args.replot:
             console.print(f"[bold]{label}[/bold] ...")
-            run_pretrain(cfg, console=console, quiet=True)
+            run_training(cfg, log=lambda _msg: None)
         rows = read_metrics(Path(cfg.out) / "metrics.jsonl")
         s = summarise(label, rows, args.tau, tail)
         s["seconds"] = time.perf_counter() - t0

@@ -59,7 +59,7 @@ def main() -> int:
             t0 = time.perf_counter()
             # the loader's labels are already the next tokens: plain cross-entropy, no shift
             logits = model(input_ids=batch["input_ids"]).logits
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["shift_labels"].flatten())
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

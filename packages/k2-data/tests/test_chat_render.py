@@ -11,7 +11,7 @@ import json
 
 import pytest
 from k2_data import KimiTokenizer, load_tokenizer
-from k2_data.chat import encode_chat, render, render_ids, render_segments, tools_json
+from k2_data.chat import encode_chat, render, render_ids, render_ids_with_mask, render_segments, tools_json
 from k2_data.tokenizer import write_tiktoken_ranks
 
 SYS = "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
@@ -225,3 +225,82 @@ def test_marker_strings_in_content_stay_text():
     assert ids.count(tok.token_to_id("<|im_end|>")) == 2  # default system turn + the user turn
     assert ids.count(tok.token_to_id("<|im_system|>")) == 1
     assert tok.decode(ids) == render(msgs)
+
+
+# ----------------------------------------------------------------------------- SFT loss mask
+
+
+def _expected_ids_and_mask(pieces: list[tuple[str, int]], marker_ids: dict[str, int]) -> tuple[list[int], list[int]]:
+    """(ids, mask) of hand-written (piece, trained) pairs under the byte-only ranks: a marker is one id, text
+    one id per UTF-8 byte, each with its piece's flag."""
+    ids, mask = [], []
+    for piece, trained in pieces:
+        piece_ids = _expected_ids([piece], marker_ids)
+        ids += piece_ids
+        mask += [trained] * len(piece_ids)
+    return ids, mask
+
+
+def test_loss_mask_by_hand_k2_layout(k2_layout_tokenizer):
+    tok = k2_layout_tokenizer
+    tools = [{"type": "function", "function": {"name": "w", "parameters": {}}}]
+    msgs = [{"role": "system", "content": "S"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "ok", "tool_calls": [{"id": "call_1", "function": {"name": "w", "arguments": '{"c":1}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "r"},
+            {"role": "assistant", "content": "done"},
+            {"role": "user", "content": "<|im_end|>"},  # a marker string typed by the user stays untrained text
+            {"role": "assistant", "content": "bye"}]
+    pieces = [("<|im_system|>", 0), ("tool_declare", 0), ("<|im_middle|>", 0), (tools_json(tools), 0), ("<|im_end|>", 0),
+              ("<|im_system|>", 0), ("system", 0), ("<|im_middle|>", 0), ("S", 0), ("<|im_end|>", 0),
+              ("<|im_user|>", 0), ("user", 0), ("<|im_middle|>", 0), ("hi", 0), ("<|im_end|>", 0),
+              ("<|im_assistant|>", 0), ("assistant", 0), ("<|im_middle|>", 0),
+              ("ok", 1), ("<|tool_calls_section_begin|>", 1), ("<|tool_call_begin|>", 1), ("functions.w:0", 1),
+              ("<|tool_call_argument_begin|>", 1), ('{"c":1}', 1), ("<|tool_call_end|>", 1),
+              ("<|tool_calls_section_end|>", 1), ("<|im_end|>", 1),
+              ("<|im_system|>", 0), ("w", 0), ("<|im_middle|>", 0), ("## Return of functions.w:0\nr", 0), ("<|im_end|>", 0),
+              ("<|im_assistant|>", 0), ("assistant", 0), ("<|im_middle|>", 0), ("done", 1), ("<|im_end|>", 1),
+              ("<|im_user|>", 0), ("user", 0), ("<|im_middle|>", 0)]
+    pieces += [(ch, 0) for ch in "<|im_end|>"]  # as text, byte by byte
+    pieces += [("<|im_end|>", 0), ("<|im_assistant|>", 0), ("assistant", 0), ("<|im_middle|>", 0), ("bye", 1),
+               ("<|im_end|>", 1)]
+    want_ids, want_mask = _expected_ids_and_mask(pieces, K2_IDS)
+    ids, mask = render_ids_with_mask(tok, msgs, tools)
+    assert ids == render_ids(tok, msgs, tools) == want_ids
+    assert mask == want_mask
+    # ok + 5 section markers + id + arguments + <|im_end|>, done + <|im_end|>, bye + <|im_end|>
+    assert sum(mask) == 2 + 5 + len("functions.w:0") + len('{"c":1}') + 1 + 4 + 1 + 3 + 1 == 37
+
+
+def test_loss_mask_shipped_bpe_equals_render_ids():
+    tok = load_tokenizer()
+    ids, mask = render_ids_with_mask(tok, CONVERSATION, [WEATHER_TOOL])
+    assert ids == render_ids(tok, CONVERSATION, [WEATHER_TOOL])
+    assert len(mask) == len(ids) and set(mask) == {0, 1}
+    # the trained tokens decode to exactly the two assistant bodies, each with its <|im_end|>
+    first = ('Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+             '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>'
+             '{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>')
+    second = "Paris is sunny, Rome is rainy.<|im_end|>"
+    trained = [i for i, m in zip(ids, mask) if m]
+    assert tok.decode(trained) == first + second
+    # and they are two contiguous runs, each right after an assistant header
+    header = [tok.token_to_id("<|im_assistant|>"), *tok.encode("assistant"), tok.token_to_id("<|im_middle|>")]
+    starts = [t for t in range(1, len(mask)) if mask[t] and not mask[t - 1]]
+    assert len(starts) == 2 and all(ids[s - len(header) : s] == header for s in starts)
+    assert tok.decode(ids[starts[0] : starts[0] + len(tok.encode("Checking."))]) == "Checking."
+    # a conversation without an assistant turn trains on nothing
+    assert sum(render_ids_with_mask(tok, [{"role": "user", "content": "hi"}])[1]) == 0
+
+
+def test_text_runs_never_straddle_the_mask_boundary():
+    from k2_data.chat.render import _tagged_segments, _tagged_to_ids
+
+    segs = _tagged_segments(CONVERSATION, [WEATHER_TOOL])
+    # the flag only changes at a marker: between two adjacent text segments it is the same
+    for (t0, m0, f0), (t1, m1, f1) in zip(segs, segs[1:]):
+        if not m0 and not m1:
+            assert f0 == f1, (t0, t1)
+    # and the encoder refuses a run that would mix them (one BPE call over trained + untrained text)
+    with pytest.raises(AssertionError, match="spans a trainable/untrainable boundary"):
+        _tagged_to_ids(load_tokenizer(), [("<|im_middle|>", True, False), ("ab", False, False), ("cd", False, True)])

@@ -27,7 +27,7 @@ def test_batches_are_the_dataset_samples(ds):
         assert batch["input_ids"].shape == (3, 48) and batch["input_ids"].dtype == torch.long
         for b in range(3):
             ref = ds[t * 3 + b]
-            for k in ("input_ids", "labels", "position_ids", "doc_ids"):
+            for k in ("input_ids", "shift_labels", "position_ids", "document_ids"):
                 assert batch[k][b].tolist() == ref[k].tolist()
 
 

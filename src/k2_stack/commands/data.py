@@ -157,14 +157,14 @@ def _print_skipped(manifest: dict, limit: int = 10) -> None:
 
 def run_sft(args: argparse.Namespace) -> int:
     from k2_data import BadRecordError
-    from k2_data.sft import SFTConfig, tokenize_chat
+    from k2_data.sft import ChatTokenizeConfig, tokenize_chat
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     console = Console(stderr=True)
     try:
-        cfg = SFTConfig(messages_field=args.messages_field, tools_field=args.tools_field, format=args.format,
+        cfg = ChatTokenizeConfig(messages_field=args.messages_field, tools_field=args.tools_field, format=args.format,
                         workers=args.workers, on_error=args.on_error, shard_bytes=max(1, int(args.shard_mb * 2**20)))
         cfg.validate()
     except ValueError as e:

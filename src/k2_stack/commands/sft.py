@@ -7,9 +7,17 @@ import argparse
 from k2_stack.commands import training
 
 EXTRA = [
-    ("init", str, "start from these weights: an HF-format dir (`k2 export`) or a k2 run dir (None: random init of --preset)"),
-    ("data", str, "chat JSONL/Parquet/Arrow (messages + tools) or a dir from `k2 data sft` "
-                  "(None: the shipped tool-use example set)"),
+    (
+        "init",
+        str,
+        "start from these weights: an HF-format dir (`k2 export`) or a k2 run dir (None: random init of --preset)",
+    ),
+    (
+        "data",
+        str,
+        "chat JSONL/Parquet/Arrow (messages + tools) or a dir from `k2 data sft` "
+        "(None: the shipped tool-use example set)",
+    ),
     ("packing", str, "whole (conversations never split across samples) or stream"),
 ]
 

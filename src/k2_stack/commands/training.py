@@ -40,24 +40,48 @@ FLAGS = [
 RESUME_MAY_CHANGE = {"threads", "stop_at", "device"}
 
 
-def add_common_flags(p: argparse.ArgumentParser, config_cls: type, extra: list[tuple[str, type, str]]) -> None:
+def add_common_flags(
+    p: argparse.ArgumentParser, config_cls: type, extra: list[tuple[str, type, str]]
+) -> None:
     defaults = config_cls()
-    p.add_argument("--config", type=Path, help="JSON or TOML file with the config's fields (flags override it)")
+    p.add_argument(
+        "--config", type=Path, help="JSON or TOML file with the config's fields (flags override it)"
+    )
     p.add_argument("--out", type=str, help=f"the run directory (default: {defaults.out})")
-    p.add_argument("--resume", type=Path, metavar="RUN_DIR",
-                   help="continue the run in RUN_DIR from its latest train state, exactly (its flags are kept; "
-                        "changing one is refused by name)")
-    p.add_argument("--activation-checkpointing", choices=["none", "full", "selective"], default=None,
-                   help="recompute layers in backward: every layer (full) or every other layer (selective) "
-                        f"(default: {defaults.activation_checkpointing})")
-    p.add_argument("--attention", choices=["auto", "fused", "sdpa", "eager"], default=None,
-                   help="attention path: auto (the fused k2_kernels kernel where it serves the device), "
-                        f"fused, sdpa or eager (default: {defaults.attention})")
+    p.add_argument(
+        "--resume",
+        type=Path,
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its latest train state, exactly (its flags are kept; "
+        "changing one is refused by name)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        choices=["none", "full", "selective"],
+        default=None,
+        help="recompute layers in backward: every layer (full) or every other layer (selective) "
+        f"(default: {defaults.activation_checkpointing})",
+    )
+    p.add_argument(
+        "--attention",
+        choices=["auto", "fused", "sdpa", "eager"],
+        default=None,
+        help="attention path: auto (the fused k2_kernels kernel where it serves the device), "
+        f"fused, sdpa or eager (default: {defaults.attention})",
+    )
     for name, typ, help_ in FLAGS + extra:
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ,
-                       help=f"{help_} (default: {getattr(defaults, name)})")
-    p.add_argument("--document-mask", action="store_true", default=None,
-                   help=f"attend only within each packed document (default: {defaults.document_mask})")
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=typ,
+            help=f"{help_} (default: {getattr(defaults, name)})",
+        )
+    p.add_argument(
+        "--document-mask",
+        action="store_true",
+        default=None,
+        help=f"attend only within each packed document (default: {defaults.document_mask})",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 
@@ -81,7 +105,9 @@ def build_config(args: argparse.Namespace, config_cls: type, extra: list[tuple[s
         stored = json.loads(saved.read_text())
         stored_task = stored.pop("task", "pretrain")
         if stored_task != task:
-            raise ValueError(f"--resume {args.resume}: that is a `k2 {stored_task}` run; resume it with `k2 {stored_task}`")
+            raise ValueError(
+                f"--resume {args.resume}: that is a `k2 {stored_task}` run; resume it with `k2 {stored_task}`"
+            )
         cfg = config_cls.from_dict(stored, source=str(saved))
         if args.config is not None:
             raise ValueError("--resume continues the stored config; --config cannot be combined with it")
@@ -93,7 +119,8 @@ def build_config(args: argparse.Namespace, config_cls: type, extra: list[tuple[s
         if changed:
             raise ValueError(
                 f"--resume {args.resume} continues the run as it was configured; refusing to change "
-                + "; ".join(changed) + ". Start a new run (--out) to train with other settings."
+                + "; ".join(changed)
+                + ". Start a new run (--out) to train with other settings."
             )
         overrides = {k: v for k, v in overrides.items() if k in RESUME_MAY_CHANGE}
         overrides["out"] = str(args.resume)
@@ -113,8 +140,13 @@ class RichProgress:
 
         self.console = console
         self.progress = Progress(
-            TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-            TimeRemainingColumn(), console=console, transient=False,
+            TextColumn(f"[bold]{label}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
         )
         self.total = total
         self.task = None
@@ -127,13 +159,16 @@ class RichProgress:
         logit = "-" if m.max_logit is None else f"{m.max_logit:.1f}"
         val = "" if m.val_loss is None else f"  val {m.val_loss:.3f}"
         self.progress.update(
-            self.task, completed=m.step,
+            self.task,
+            completed=m.step,
             info=f"loss {m.loss:.3f}{val}  max logit {logit}  clipped {m.clipped_heads}  {m.tokens_per_s:.0f} tok/s",
         )
 
     def on_interrupt(self, trainer) -> None:
-        self.console.print("[yellow]interrupt: finishing this step, then saving the train state "
-                           "(Ctrl-C again to abort)[/yellow]")
+        self.console.print(
+            "[yellow]interrupt: finishing this step, then saving the train state "
+            "(Ctrl-C again to abort)[/yellow]"
+        )
 
     def on_fit_end(self, trainer, result) -> None:
         self.progress.stop()
@@ -143,7 +178,14 @@ def summary_table(result, cfg, task: str):
     from rich.table import Table
 
     t = Table(title=f"k2 {task}: {result.run_dir}")
-    for col in ("steps", "tokens", "final loss", "val loss", "peak max logit", "heads clipped (sum over steps)"):
+    for col in (
+        "steps",
+        "tokens",
+        "final loss",
+        "val loss",
+        "peak max logit",
+        "heads clipped (sum over steps)",
+    ):
         t.add_column(col, justify="right")
     t.add_row(
         f"{result.steps_done}/{cfg.steps}",
@@ -170,10 +212,16 @@ def run(args: argparse.Namespace, config_cls: type, extra: list[tuple[str, type,
         return 2
     callbacks = []
     if not args.json:
-        callbacks.append(RichProgress(console, cfg.steps, task) if console.is_terminal else PlainProgress(cfg.steps, label=task))
+        callbacks.append(
+            RichProgress(console, cfg.steps, task)
+            if console.is_terminal
+            else PlainProgress(cfg.steps, label=task)
+        )
     try:
         result = run_training(
-            cfg, resume=args.resume is not None, callbacks=callbacks,
+            cfg,
+            resume=args.resume is not None,
+            callbacks=callbacks,
             log=(lambda _msg: None) if args.json else console.print,
         )
     except (ValueError, FileNotFoundError, FileExistsError) as e:
@@ -182,10 +230,23 @@ def run(args: argparse.Namespace, config_cls: type, extra: list[tuple[str, type,
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 reports
         return 0
     if args.json:
-        print(json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(result).items()
-                          if k != "plots"}))
+        print(
+            json.dumps(
+                {
+                    k: str(v) if isinstance(v, Path) else v
+                    for k, v in dataclasses.asdict(result).items()
+                    if k != "plots"
+                }
+            )
+        )
     else:
         console.print(summary_table(result, cfg, task))
-        state = (f"stopped early (resume with `k2 {task} --resume {result.run_dir}`)" if result.interrupted else "done")
-        console.print(f"{state}; run directory: [bold]{result.run_dir}[/bold] (metrics.jsonl, plots/, state/, tokenizer/)")
+        state = (
+            f"stopped early (resume with `k2 {task} --resume {result.run_dir}`)"
+            if result.interrupted
+            else "done"
+        )
+        console.print(
+            f"{state}; run directory: [bold]{result.run_dir}[/bold] (metrics.jsonl, plots/, state/, tokenizer/)"
+        )
     return 130 if result.interrupted and not cfg.stop_at else 0

@@ -9,6 +9,7 @@ from k2_data.chat import ToolCallStreamParser, parse_tool_calls, render_chat, re
 from k2_data.corpus import default_corpus_files  # noqa: E402
 from k2_data.ingest import BadRecordError, TokenizeConfig, ensure_tokenized, load_manifest, tokenize_corpus  # noqa: E402
 from k2_data.packing import IGNORE_INDEX, PackedDataset  # noqa: E402
+from k2_data.sft import ChatTokenizeConfig, tokenize_chat  # noqa: E402
 from k2_data.special_tokens import NUM_RESERVED_SPECIAL_TOKENS, special_token_table  # noqa: E402
 from k2_data.tokenizer import BPETokenizer, KimiTokenizer, Tokenizer, load_tokenizer  # noqa: E402
 
@@ -29,6 +30,7 @@ __all__ = [
     "KimiTokenizer",
     "NUM_RESERVED_SPECIAL_TOKENS",
     "PackedDataset",
+    "ChatTokenizeConfig",
     "StatefulLoader",
     "TokenizeConfig",
     "Tokenizer",
@@ -37,6 +39,7 @@ __all__ = [
     "load_manifest",
     "load_tokenizer",
     "special_token_table",
+    "tokenize_chat",
     "tokenize_corpus",
 ]
 __all__ += ["ToolCallStreamParser", "parse_tool_calls", "render_chat", "render_ids"]  # the chat format

@@ -13,6 +13,7 @@ reported with file and line (or row) and either skipped (`on_error="skip"`) or f
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -39,6 +40,14 @@ TOKENIZER_SUBDIR = "tokenizer"
 SHARD_SCHEMA = pa.schema(
     [
         pa.field("input_ids", pa.list_(pa.int32())),  # K2's vocabulary needs more than 16 bits
+        pa.field("doc_id", pa.int64()),
+        pa.field("source", pa.string()),
+    ]
+)
+CHAT_SHARD_SCHEMA = pa.schema(
+    [
+        pa.field("input_ids", pa.list_(pa.int32())),
+        pa.field("loss_mask", pa.list_(pa.uint8())),  # 1 = trained (assistant turns), one per input id
         pa.field("doc_id", pa.int64()),
         pa.field("source", pa.string()),
     ]
@@ -183,20 +192,41 @@ def plan_shards(files: list[Path], shard_bytes: int) -> list[ShardTask]:
 
 # ----------------------------------------------------------------------------- reading records
 
-# A record: (doc_id offset within the task, source label, text or a BadRecordError).
-Record = tuple[int, str, "str | BadRecordError"]
+def _read_table(path: str, kind: str, fields: list[str], required: dict[str, str]) -> pa.Table:
+    """The named columns of a Parquet/Arrow file; a missing required column is an error naming the file
+    (and the option, `required[column]`, that selects it)."""
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        names = pq.read_schema(path).names
+        present = [f for f in fields if f in names]
+        table = pq.read_table(path, columns=present) if present else pa.table({})
+    else:
+        table = _open_arrow(Path(path))
+        names = table.column_names
+    for name, option in required.items():
+        if name not in names:
+            raise ValueError(f"{path}: no column {name!r} (columns: {', '.join(names)}); set {option}")
+    return table
 
 
-def _read_unit(unit: Unit, text_field: str) -> Iterator[tuple[str, str | BadRecordError]]:
+def read_records(
+    unit: Unit,
+    fields: list[str],
+    required: dict[str, str] | None = None,
+    check_column: Callable[[str, str, pa.DataType], None] | None = None,
+) -> Iterator[tuple[str, str, object]]:
+    """`(source, where, record)` for each record of a JSONL or table unit.
+
+    JSONL: `record` is the line's parsed JSON value (any type; blank lines are skipped) or a
+    `BadRecordError` for invalid JSON; `where` is the line number. Tables: `record` is a dict of the named
+    `fields` present in the file (`required` ones must be: else ValueError naming the file and the option
+    `required[field]` that selects the column), `where` is
+    `row N`. `check_column(path, name, type)` may refuse a column's type for the whole file.
+    `source` is `path:line` or `path#row`, the label a shard row carries.
+    """
     path = unit.path
-    if unit.kind == "text":
-        data = Path(path).read_bytes()
-        try:
-            yield path, data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            line = data.count(b"\n", 0, e.start) + 1
-            yield path, BadRecordError(path, f"{line}", f"not valid UTF-8 (byte {e.start})")
-    elif unit.kind == "jsonl":
+    if unit.kind == "jsonl":
         with open(path, "rb") as f:
             f.seek(unit.start)
             chunk = f.read(unit.stop - unit.start)
@@ -205,39 +235,56 @@ def _read_unit(unit: Unit, text_field: str) -> Iterator[tuple[str, str | BadReco
             lines.pop()  # the newline that ends the last record
         for i, raw in enumerate(lines):
             line = unit.first_line + i
-            where = f"{line}"
             if not raw.strip():
                 continue  # a blank line is not a record
             try:
-                obj = json.loads(raw)
+                yield f"{path}:{line}", f"{line}", json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                yield f"{path}:{line}", BadRecordError(path, where, f"invalid JSON ({e})")
-                continue
-            if not isinstance(obj, dict) or text_field not in obj:
-                yield f"{path}:{line}", BadRecordError(path, where, f"no field {text_field!r} in the record")
-            elif not isinstance(obj[text_field], str):
-                kind = type(obj[text_field]).__name__
-                yield f"{path}:{line}", BadRecordError(path, where, f"field {text_field!r} is {kind}, expected a string")
-            else:
-                yield f"{path}:{line}", obj[text_field]
-    else:
-        if unit.kind == "parquet":
-            import pyarrow.parquet as pq
+                yield f"{path}:{line}", f"{line}", BadRecordError(path, f"{line}", f"invalid JSON ({e})")
+        return
+    if unit.kind not in ("parquet", "arrow"):
+        raise ValueError(f"{path}: a {unit.kind} file holds no records (expected JSONL, Parquet or Arrow)")
+    table = _read_table(path, unit.kind, fields, required or {})
+    present = [f for f in fields if f in table.column_names]
+    columns = {}
+    for name in present:
+        column = table.column(name)
+        if check_column is not None:
+            check_column(path, name, column.type)
+        columns[name] = column.slice(unit.start, unit.stop - unit.start).to_pylist()
+    for i in range(unit.stop - unit.start):
+        row = unit.start + i
+        yield f"{path}#{row}", f"row {row}", {name: columns[name][i] for name in present}
 
-            table = pq.read_table(path)
+
+def _check_string_column(path: str, name: str, type_: pa.DataType) -> None:
+    if not (pa.types.is_string(type_) or pa.types.is_large_string(type_)):
+        raise ValueError(f"{path}: column {name!r} has type {type_}, expected string")
+
+
+def _read_unit(unit: Unit, text_field: str) -> Iterator[tuple[str, str | BadRecordError]]:
+    """`(source, text or BadRecordError)` for each document of a unit."""
+    path = unit.path
+    if unit.kind == "text":
+        data = Path(path).read_bytes()
+        try:
+            yield path, data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            yield path, BadRecordError(path, f"{line}", f"not valid UTF-8 (byte {e.start})")
+        return
+    for source, where, rec in read_records(unit, [text_field], {text_field: "--text-field"}, _check_string_column):
+        if isinstance(rec, BadRecordError):
+            yield source, rec
+        elif not isinstance(rec, dict) or text_field not in rec:
+            yield source, BadRecordError(path, where, f"no field {text_field!r} in the record")
+        elif unit.kind != "jsonl" and rec[text_field] is None:
+            yield source, BadRecordError(path, where, f"field {text_field!r} is null")
+        elif not isinstance(rec[text_field], str):
+            kind = type(rec[text_field]).__name__
+            yield source, BadRecordError(path, where, f"field {text_field!r} is {kind}, expected a string")
         else:
-            table = _open_arrow(Path(path))
-        if text_field not in table.column_names:
-            raise ValueError(f"{path}: no column {text_field!r} (columns: {', '.join(table.column_names)}); set --text-field")
-        column = table.column(text_field).slice(unit.start, unit.stop - unit.start)
-        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-            raise ValueError(f"{path}: column {text_field!r} has type {column.type}, expected string")
-        for i, value in enumerate(column.to_pylist()):
-            row = unit.start + i
-            if value is None:
-                yield f"{path}#{row}", BadRecordError(path, f"row {row}", f"field {text_field!r} is null")
-            else:
-                yield f"{path}#{row}", value
+            yield source, rec[text_field]
 
 
 # ----------------------------------------------------------------------------- writing shards
@@ -252,7 +299,10 @@ def _np_array(values: np.ndarray, type_: pa.DataType) -> pa.Array:
     return pa.Array.from_buffers(type_, len(values), [None, pa.py_buffer(np.ascontiguousarray(values))])
 
 
-def _build_table(ids: list[list[int]], doc_ids: list[int], sources: list[str]) -> pa.Table:
+def _build_table(
+    ids: list[list[int]], doc_ids: list[int], sources: list[str], loss_mask: list[list[int]] | None = None
+) -> pa.Table:
+    """A shard: input_ids list<int32>, doc_id, source, and (chat data) loss_mask list<uint8> aligned to input_ids."""
     lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
     total = int(lengths.sum())
     if total >= 2**31:
@@ -268,7 +318,11 @@ def _build_table(ids: list[list[int]], doc_ids: list[int], sources: list[str]) -
         pa.string(), len(encoded), [None, pa.py_buffer(str_offsets), pa.py_buffer(b"".join(encoded))]
     )
     doc_id = _np_array(np.asarray(doc_ids, dtype=np.int64), pa.int64())
-    return pa.Table.from_arrays([input_ids, doc_id, source], schema=SHARD_SCHEMA)
+    if loss_mask is None:
+        return pa.Table.from_arrays([input_ids, doc_id, source], schema=SHARD_SCHEMA)
+    mask_values = np.fromiter(itertools.chain.from_iterable(loss_mask), dtype=np.uint8, count=total)
+    mask = pa.ListArray.from_arrays(_np_array(offsets, pa.int32()), _np_array(mask_values, pa.uint8()))
+    return pa.Table.from_arrays([input_ids, mask, doc_id, source], schema=CHAT_SHARD_SCHEMA)
 
 
 def _write_shard(table: pa.Table, path: Path, fmt: str, meta: dict) -> None:
@@ -383,10 +437,10 @@ def tokenize_shard(task: ShardTask, tokenizer_path: str, out_dir: str, config: T
 # ----------------------------------------------------------------------------- the run
 
 
-def _plan_fingerprint(tasks: list[ShardTask], tokenizer: Tokenizer, config: TokenizeConfig) -> str:
+def _plan_fingerprint(tasks: list[ShardTask], tokenizer: Tokenizer, settings: list) -> str:
     h = hashlib.sha256()
     h.update(tokenizer.fingerprint().encode())
-    h.update(json.dumps([config.text_field, config.format, config.shard_bytes]).encode())
+    h.update(json.dumps(settings).encode())
     for task in tasks:
         for u in task.units:
             st = os.stat(u.path)
@@ -400,6 +454,113 @@ def _atomic_json(path: Path, obj: dict) -> None:
         json.dump(obj, f, indent=2)
     os.chmod(tmp, 0o644)
     os.replace(tmp, path)
+
+
+@dataclass
+class _Run:
+    """A planned run: output dir, tokenizer (and the path workers load it from), shard tasks, plan hash."""
+
+    out: Path
+    tok: Tokenizer
+    tok_path: str
+    tasks: list[ShardTask]
+    plan_sha: str
+
+
+def _prepare_run(
+    files: list[Path], out_dir: str | Path, tokenizer: str | Path | None, shard_bytes: int, settings: list
+) -> _Run:
+    """Plan the shards, refuse a directory holding another plan, save the tokenizer next to the shards."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(tokenizer)
+    files = [f for f in files if not _is_inside(f, out)]
+    tasks = plan_shards(files, shard_bytes)
+    plan_sha = _plan_fingerprint(tasks, tok, settings)
+    plan_path = out / PLAN
+    if plan_path.exists():
+        previous = json.loads(plan_path.read_text())
+        if previous.get("plan_sha256") != plan_sha:
+            raise ValueError(
+                f"{out} holds shards of a different run (other inputs, tokenizer or settings); "
+                "use a new --out directory or delete it"
+            )
+    else:
+        _atomic_json(plan_path, {"plan_sha256": plan_sha, "shards": len(tasks)})
+    tok.save(out / TOKENIZER_SUBDIR)
+    tok_path = str(tokenizer) if tokenizer is not None else str(_default_path())
+    _WORKER_TOKENIZER[tok_path] = tok  # forked workers inherit it instead of parsing it again
+    return _Run(out, tok, tok_path, tasks, plan_sha)
+
+
+def _run_shards(
+    run: _Run,
+    fmt: str,
+    workers: int,
+    work: Callable[[ShardTask], dict],
+    progress: Callable[[int, int, dict], None] | None,
+) -> tuple[list[dict], float]:
+    """Run `work(task)` (picklable: it goes to worker processes) for every shard not completed by an
+    earlier run; returns the shard metas in plan order and the seconds taken."""
+    t0 = time.perf_counter()
+    results: dict[int, dict] = {}
+    todo: list[ShardTask] = []
+    for task in run.tasks:
+        meta = read_shard_meta(run.out / _shard_name(task.index, fmt))
+        if meta is not None and meta.get("rows") is not None:
+            results[task.index] = meta | {"resumed": True}
+        else:
+            todo.append(task)
+    done = len(results)
+    total = len(run.tasks)
+    if workers == 1 or len(todo) <= 1:
+        for task in todo:
+            meta = work(task)
+            results[task.index] = meta
+            done += 1
+            if progress:
+                progress(done, total, meta)
+    else:
+        ctx = multiprocessing.get_context(os.environ.get("K2_DATA_MP_START", "fork" if os.name == "posix" else "spawn"))
+        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as pool:
+            futures = [pool.submit(work, task) for task in todo]
+            try:
+                for fut in futures:
+                    meta = fut.result()
+                    results[meta["index"]] = meta
+                    done += 1
+                    if progress:
+                        progress(done, total, meta)
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+    return [results[t.index] for t in run.tasks], time.perf_counter() - t0
+
+
+def _manifest(run: _Run, fmt: str, schema: pa.Schema, inputs: list[str], shards: list[dict], seconds: float,
+              **extra) -> dict:
+    """The manifest fields every kind of dataset shares, plus `extra`; written atomically."""
+    skipped = [rec for s in shards for rec in s.get("skipped", [])]
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "created_by": f"k2-data {__version__}",
+        "format": fmt,
+        "schema": {f.name: str(f.type) for f in schema},
+        "tokenizer": run.tok.identity() | {"path": TOKENIZER_SUBDIR},
+        **extra,
+        "inputs": inputs,
+        "plan_sha256": run.plan_sha,
+        "num_docs": sum(s["rows"] for s in shards),
+        "num_tokens": sum(s["tokens"] for s in shards),
+        "num_skipped": len(skipped),
+        "skipped": skipped,
+        "shards": [{k: s[k] for k in ("file", "rows", "tokens", "first_doc_id")} for s in shards],
+        "seconds": round(seconds, 3),
+        "resumed_shards": sum(1 for s in shards if s.get("resumed")),
+    }
+    _atomic_json(run.out / MANIFEST, manifest)
+    return manifest
 
 
 def tokenize_corpus(
@@ -416,85 +577,21 @@ def tokenize_corpus(
     """
     config = config or TokenizeConfig()
     config.validate()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = load_tokenizer(tokenizer)
     files = default_corpus_files() if inputs is None else expand_inputs(inputs)
-    files = [f for f in files if not _is_inside(f, out)]
-    tasks = plan_shards(files, config.shard_bytes)
-    plan_sha = _plan_fingerprint(tasks, tok, config)
-
-    plan_path = out / PLAN
-    if plan_path.exists():
-        previous = json.loads(plan_path.read_text())
-        if previous.get("plan_sha256") != plan_sha:
-            raise ValueError(
-                f"{out} holds shards of a different run (other inputs, tokenizer or settings); "
-                "use a new --out directory or delete it"
-            )
-    else:
-        _atomic_json(plan_path, {"plan_sha256": plan_sha, "shards": len(tasks)})
-    tok.save(out / TOKENIZER_SUBDIR)
-
-    t0 = time.perf_counter()
-    results: dict[int, dict] = {}
-    todo: list[ShardTask] = []
-    for task in tasks:
-        meta = read_shard_meta(out / _shard_name(task.index, config.format))
-        if meta is not None and meta.get("rows") is not None:
-            results[task.index] = meta | {"resumed": True}
-        else:
-            todo.append(task)
-    tok_path = str(tokenizer) if tokenizer is not None else str(_default_path())
-    _WORKER_TOKENIZER[tok_path] = tok  # forked workers inherit it instead of parsing it again
-    done = len(results)
-    if config.workers == 1 or len(todo) <= 1:
-        for task in todo:
-            meta = tokenize_shard(task, tok_path, str(out), config)
-            results[task.index] = meta
-            done += 1
-            if progress:
-                progress(done, len(tasks), meta)
-    else:
-        ctx = multiprocessing.get_context(os.environ.get("K2_DATA_MP_START", "fork" if os.name == "posix" else "spawn"))
-        with ProcessPoolExecutor(config.workers, mp_context=ctx, initializer=_worker_init) as pool:
-            futures = [pool.submit(tokenize_shard, task, tok_path, str(out), config) for task in todo]
-            try:
-                for fut in futures:
-                    meta = fut.result()
-                    results[meta["index"]] = meta
-                    done += 1
-                    if progress:
-                        progress(done, len(tasks), meta)
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
-    elapsed = time.perf_counter() - t0
-
-    shards = [results[t.index] for t in tasks]
-    skipped = [rec for s in shards for rec in s.get("skipped", [])]
-    manifest = {
-        "schema_version": SCHEMA_VERSION,
-        "created_by": f"k2-data {__version__}",
-        "format": config.format,
-        "schema": {f.name: str(f.type) for f in SHARD_SCHEMA},
-        "tokenizer": tok.identity() | {"path": TOKENIZER_SUBDIR},
-        "text_field": config.text_field,
-        "encoder": (f"tiktoken engine, every {config.check_every}th document checked against HF tokenizers"
-                    if config.engine == "auto" and getattr(tok, "has_fast_engine", False) else tok.kind),
-        "inputs": [str(p) for p in inputs] if inputs is not None else ["<default corpus: python stdlib>"],
-        "plan_sha256": plan_sha,
-        "num_docs": sum(s["rows"] for s in shards),
-        "num_tokens": sum(s["tokens"] for s in shards),
-        "num_skipped": len(skipped),
-        "skipped": skipped,
-        "shards": [{k: s[k] for k in ("file", "rows", "tokens", "first_doc_id")} for s in shards],
-        "seconds": round(elapsed, 3),
-        "resumed_shards": sum(1 for s in shards if s.get("resumed")),
-    }
-    _atomic_json(out / MANIFEST, manifest)
-    return manifest
+    run = _prepare_run(files, out_dir, tokenizer, config.shard_bytes,
+                       [config.text_field, config.format, config.shard_bytes])
+    work = functools.partial(tokenize_shard, tokenizer_path=run.tok_path, out_dir=str(run.out), config=config)
+    shards, elapsed = _run_shards(run, config.format, config.workers, work, progress)
+    fast = config.engine == "auto" and getattr(run.tok, "has_fast_engine", False)
+    return _manifest(
+        run, config.format, SHARD_SCHEMA,
+        [str(p) for p in inputs] if inputs is not None else ["<default corpus: python stdlib>"],
+        shards, elapsed,
+        kind="text",
+        text_field=config.text_field,
+        encoder=f"tiktoken engine, every {config.check_every}th document checked against HF tokenizers"
+        if fast else run.tok.kind,
+    )
 
 
 def _default_path() -> Path:
@@ -521,8 +618,6 @@ def load_manifest(directory: str | Path) -> dict:
     return manifest
 
 
-
-
 def ensure_tokenized(
     source: str | Path | None,
     cache_dir: str | Path,
@@ -541,4 +636,5 @@ def ensure_tokenized(
     return Path(cache_dir)
 
 
-__all__ = ["TokenizeConfig", "BadRecordError", "tokenize_corpus", "ensure_tokenized", "load_manifest", "plan_shards"]
+__all__ = ["TokenizeConfig", "BadRecordError", "tokenize_corpus", "ensure_tokenized", "load_manifest", "plan_shards",
+           "read_records"]

@@ -24,8 +24,10 @@ STATE_VERSION = 1
 
 
 class StatefulLoader:
-    """Yields `{"input_ids": LongTensor[B, S], "labels": LongTensor[B, S]}` (plus `position_ids`
-    and `doc_ids` when the dataset has `document_mask=True`), forever or for `num_steps` steps."""
+    """Yields `{"input_ids": LongTensor[B, S], "shift_labels": LongTensor[B, S]}` (plus
+    `position_ids` and `document_ids` when the dataset has `document_mask=True`), forever or for
+    `num_steps` steps. `shift_labels` are the next tokens already (see `k2_data.packing`), and the
+    keys are `K2ForCausalLM.forward`'s arguments: `model(**batch).loss` is the training loss."""
 
     def __init__(
         self,

@@ -103,7 +103,9 @@ def build_optimizer(cfg: PretrainConfig, model: nn.Module) -> torch.optim.Optimi
             betas=(0.9, 0.95),
         )
     # Muon for hidden matrices, AdamW for embeddings / head / 1-D; QK-Clip only for "muonclip".
-    opt = MuonClip(model, lr=cfg.lr, weight_decay=cfg.weight_decay, tau=cfg.tau if cfg.optimizer == "muonclip" else None)
+    opt = MuonClip(
+        model, lr=cfg.lr, weight_decay=cfg.weight_decay, tau=cfg.tau if cfg.optimizer == "muonclip" else None
+    )
     if cfg.adamw_lr:
         for group in opt.param_groups:
             if group.get("algorithm") == "adamw":
@@ -111,7 +113,9 @@ def build_optimizer(cfg: PretrainConfig, model: nn.Module) -> torch.optim.Optimi
     return opt
 
 
-def build_schedule(cfg: PretrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+def build_schedule(
+    cfg: PretrainConfig, optimizer: torch.optim.Optimizer
+) -> torch.optim.lr_scheduler.LRScheduler:
     """WSD: `warmup_steps`, then constant, then a cosine decay over `decay_fraction` of the run."""
     warmup = min(cfg.warmup_steps, cfg.steps)
     decay = min(int(round(cfg.steps * cfg.decay_fraction)), cfg.steps - warmup)

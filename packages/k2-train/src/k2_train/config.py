@@ -91,8 +91,11 @@ class PretrainConfig:
         need(self.eval_every >= 0, "eval_every", ">= 0")
         need(self.save_every >= 0, "save_every", ">= 0")
         need(self.dtype in ("auto", "fp32", "bf16"), "dtype", "auto, fp32 or bf16")
-        need(self.activation_checkpointing in ("none", "full", "selective"), "activation_checkpointing",
-             "none, full or selective")
+        need(
+            self.activation_checkpointing in ("none", "full", "selective"),
+            "activation_checkpointing",
+            "none, full or selective",
+        )
         need(self.attention in ("auto", "fused", "sdpa", "eager"), "attention", "auto, fused, sdpa or eager")
         need(self.packing in PACKINGS, "packing", " or ".join(PACKINGS))
         need(self.stop_at >= 0, "stop_at", ">= 0")
@@ -119,7 +122,9 @@ class PretrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"{source}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
         return cls(**d)
 
     @classmethod
@@ -153,9 +158,9 @@ class SFTConfig(PretrainConfig):
     data: str | None = None
     packing: str = "whole"
     document_mask: bool = True
-    seq_len: int = 512
+    seq_len: int = 1024  # two tool-use conversations (~510 tokens each) per sample
     steps: int = 300
-    batch: int = 16
+    batch: int = 8
     lr: float = 1e-2
     adamw_lr: float = 3e-3
     warmup_steps: int = 20

@@ -68,7 +68,10 @@ def build_datasets(cfg: PretrainConfig, tokenized: Path) -> tuple[PackedDataset,
     """Train and held-out splits (by document); the held-out one is None when the corpus has too
     few documents to hold any out at `val_fraction`."""
     common = dict(
-        seq_len=cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction, document_mask=cfg.document_mask,
+        seq_len=cfg.seq_len,
+        seed=cfg.seed,
+        val_fraction=cfg.val_fraction,
+        document_mask=cfg.document_mask,
         packing=cfg.packing,
     )
     train = PackedDataset(tokenized, split="train", **common)
@@ -93,8 +96,13 @@ def prepare_chat(cfg: SFTConfig, workers: int = 0) -> Path:
     if cfg.data is not None and not Path(cfg.data).exists():
         raise FileNotFoundError(f"--data {cfg.data}: no such file or directory")
     source = Path(cfg.data) if cfg.data is not None else tooluse_example_dir() / "train.jsonl"
-    key = repr((str(source.resolve()), source.stat().st_mtime_ns if source.is_file() else 0,
-                str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else "<default>"))
+    key = repr(
+        (
+            str(source.resolve()),
+            source.stat().st_mtime_ns if source.is_file() else 0,
+            str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else "<default>",
+        )
+    )
     cache = cache_root() / "tokenized-chat" / hashlib.sha256(key.encode()).hexdigest()[:16]
     config = ChatTokenizeConfig(workers=workers or 1)
     if not (cache / "manifest.json").is_file():

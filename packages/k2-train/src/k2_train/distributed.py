@@ -34,6 +34,9 @@ class DistInfo:
         return self.world_size > 1
 
 
+SINGLE_PROCESS = DistInfo()  # the default of every `info` argument (frozen, so shareable)
+
+
 def init_distributed(device_type: str) -> DistInfo:
     """Join the process group torchrun describes in the environment (WORLD_SIZE > 1)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -90,7 +93,9 @@ def full_model_state_dict(model: nn.Module, info: DistInfo) -> dict[str, torch.T
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> dict[str, Any]:
+def full_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo
+) -> dict[str, Any]:
     """The optimizer's whole state, keyed by parameter names under FSDP2 (a collective; the full
     dict lands on rank 0). Top-level extras of the optimizer's own state_dict (MuonClip's
     replicated QK-Clip statistics) are kept as they are."""
@@ -124,7 +129,9 @@ def load_full_optimizer_state(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     core = {k: optim_sd[k] for k in ("state", "param_groups")}
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=core, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(
+        model, optimizer, optim_state_dict=core, options=StateDictOptions(full_state_dict=True)
+    )
     extras = {k: v for k, v in optim_sd.items() if k not in core}
     if extras:  # re-load the now sharded state together with the extras through the optimizer's API
         optimizer.load_state_dict({**optimizer.state_dict(), **extras})

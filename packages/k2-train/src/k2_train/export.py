@@ -18,7 +18,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path) -> Path:
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     latest = latest_state(run_dir)
     if latest is None:
-        raise FileNotFoundError(f"{run_dir}: no complete train state under {run_dir / 'state'} (not a k2 run dir?)")
+        raise FileNotFoundError(
+            f"{run_dir}: no complete train state under {run_dir / 'state'} (not a k2 run dir?)"
+        )
     state = read_state(latest)
     meta = state["meta"]
     if "model_config" in meta:  # the architecture as trained (also when it came from --init weights)

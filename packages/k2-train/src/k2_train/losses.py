@@ -55,7 +55,10 @@ class NextTokenLoss:
     def __call__(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
         logits_BSN = model(**model_inputs(batch)).logits
         return F.cross_entropy(
-            logits_BSN.float().flatten(0, 1), batch["shift_labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            logits_BSN.float().flatten(0, 1),
+            batch["shift_labels"].flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
         )
 
 

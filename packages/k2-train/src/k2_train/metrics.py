@@ -97,7 +97,9 @@ class PlainProgress(Callback):
     """A plain progress line every `every_s` seconds (and at the last step) for logs that are not
     a terminal (CI, `| tee`), where a live progress bar prints nothing until the end."""
 
-    def __init__(self, total_steps: int, every_s: float = 10.0, stream: TextIO | None = None, label: str = "train") -> None:
+    def __init__(
+        self, total_steps: int, every_s: float = 10.0, stream: TextIO | None = None, label: str = "train"
+    ) -> None:
         self.total, self.every_s, self.label = total_steps, every_s, label
         self.stream = stream or sys.stdout
         self._last = 0.0
@@ -131,7 +133,11 @@ def truncate_metrics(path: str | Path, last_step: int) -> None:
     path = Path(path)
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    keep = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line).get("step", 0) <= last_step
+    ]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     os.replace(tmp, path)

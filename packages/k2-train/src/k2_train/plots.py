@@ -41,8 +41,15 @@ def plot_runs(
         ax.plot(steps, _ema(losses, 0.9), color=color, lw=1.4, label=f"{label} train (EMA)")
         val = [r for r in rows if r.get("val_loss") is not None]
         if val:
-            ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o--", color=color, ms=3,
-                    lw=1, label=f"{label} val")
+            ax.plot(
+                [r["step"] for r in val],
+                [r["val_loss"] for r in val],
+                "o--",
+                color=color,
+                ms=3,
+                lw=1,
+                label=f"{label} val",
+            )
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title("loss")
@@ -57,8 +64,13 @@ def plot_runs(
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, (label, rows) in enumerate(runs):
         pts = [r for r in rows if r.get("max_logit") is not None]
-        ax.plot([r["step"] for r in pts], [r["max_logit"] for r in pts], label=label, lw=1,
-                color=colors[i % len(colors)])
+        ax.plot(
+            [r["step"] for r in pts],
+            [r["max_logit"] for r in pts],
+            label=label,
+            lw=1,
+            color=colors[i % len(colors)],
+        )
     if tau is not None:
         ax.axhline(tau, color="k", ls="--", lw=1, label=f"tau = {tau:g}")
     ax.set_xlabel("step")

@@ -70,8 +70,14 @@ def run_training(
 
 
 def _run(
-    cfg: PretrainConfig, resume: bool, callbacks: list[Callback], loss: Loss, log: Callable[[str], None],
-    device: torch.device, dtype: torch.dtype, info: dd.DistInfo,
+    cfg: PretrainConfig,
+    resume: bool,
+    callbacks: list[Callback],
+    loss: Loss,
+    log: Callable[[str], None],
+    device: torch.device,
+    dtype: torch.dtype,
+    info: dd.DistInfo,
 ) -> RunResult:
     run_dir = Path(cfg.out)
     if device.type == "cuda" and info.enabled:
@@ -87,7 +93,9 @@ def _run(
     if resume and latest_state(run_dir) is None:
         raise FileNotFoundError(f"--resume {run_dir}: no complete train state under {run_dir / 'state'}")
     if not resume and latest_state(run_dir) is not None:
-        raise FileExistsError(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick a new --out")
+        raise FileExistsError(
+            f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick a new --out"
+        )
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         tmp = run_dir / f".{CONFIG}.tmp"
@@ -111,7 +119,10 @@ def _run(
     model = build_model(cfg, train_ds.vocab_size, device)
     model.train()
     parallelize(
-        model, data_parallel=info.enabled, compute_dtype=dtype, activation_checkpointing=cfg.activation_checkpointing
+        model,
+        data_parallel=info.enabled,
+        compute_dtype=dtype,
+        activation_checkpointing=cfg.activation_checkpointing,
     )
     optimizer = build_optimizer(cfg, model)
     scheduler = build_schedule(cfg, optimizer)
@@ -119,8 +130,15 @@ def _run(
     # policy already casts the parameters to bf16 (and reduces in fp32).
     autocast = torch.bfloat16 if dtype == torch.bfloat16 and not info.enabled else None
     trainer = Trainer(
-        model, optimizer, loss, scheduler, config=cfg.trainer_config(), info=info, device=device,
-        autocast_dtype=autocast, callbacks=[JSONLMetrics(run_dir / METRICS), *callbacks],
+        model,
+        optimizer,
+        loss,
+        scheduler,
+        config=cfg.trainer_config(),
+        info=info,
+        device=device,
+        autocast_dtype=autocast,
+        callbacks=[JSONLMetrics(run_dir / METRICS), *callbacks],
     )
     state = TrainState(
         run_dir,
@@ -141,11 +159,14 @@ def _run(
     n_params = sum(p.numel() for p in model.parameters())
     log(
         f"k2 {cfg.task}: {_model_name(cfg)} ({n_params / 1e6:.2f}M params) with {cfg.optimizer} "
-        f"(lr {cfg.lr:g}, wd {cfg.weight_decay:g}" + (f", tau {cfg.tau:g}" if cfg.optimizer == "muonclip" else "")
+        f"(lr {cfg.lr:g}, wd {cfg.weight_decay:g}"
+        + (f", tau {cfg.tau:g}" if cfg.optimizer == "muonclip" else "")
         + f"), {cfg.steps} steps x {cfg.batch} x {cfg.seq_len} tokens on {device} ({str(dtype).split('.')[-1]})"
-        + (f" x {info.world_size} processes (FSDP2)" if info.enabled else "") + "; "
+        + (f" x {info.world_size} processes (FSDP2)" if info.enabled else "")
+        + "; "
         f"data {tokenized} ({len(train_ds)} train / {len(val_ds) if val_ds else 0} val samples per epoch); "
-        f"run dir {run_dir}" + (f"; resuming after step {trainer.step}" if resume else "")
+        f"run dir {run_dir}"
+        + (f"; resuming after step {trainer.step}" if resume else "")
         + f"; attention: {describe_attention(model, cfg, device)}"
     )
 

@@ -45,7 +45,7 @@ class Stateful(Protocol):
 class ModelState:
     """The model's full state (a collective under FSDP2)."""
 
-    def __init__(self, model: nn.Module, info: dd.DistInfo = dd.DistInfo()) -> None:
+    def __init__(self, model: nn.Module, info: dd.DistInfo = dd.SINGLE_PROCESS) -> None:
         self.model, self.info = model, info
 
     def state_dict(self) -> dict[str, Any]:
@@ -58,7 +58,9 @@ class ModelState:
 class OptimizerState:
     """The optimizer's full, parameter-name-keyed state (a collective under FSDP2)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, info: dd.DistInfo = dd.DistInfo()) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, info: dd.DistInfo = dd.SINGLE_PROCESS
+    ) -> None:
         self.model, self.optimizer, self.info = model, optimizer, info
 
     def state_dict(self) -> dict[str, Any]:
@@ -111,7 +113,9 @@ def read_state(path: str | Path) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{state_file}: not a {FORMAT} file")
     if state.get("version") != VERSION:
-        raise ValueError(f"{state_file}: {FORMAT} version {state.get('version')!r}, this k2-train reads {VERSION}")
+        raise ValueError(
+            f"{state_file}: {FORMAT} version {state.get('version')!r}, this k2-train reads {VERSION}"
+        )
     return state
 
 
@@ -122,7 +126,7 @@ class TrainState:
         self,
         run_dir: str | Path,
         components: dict[str, Stateful],
-        info: dd.DistInfo = dd.DistInfo(),
+        info: dd.DistInfo = dd.SINGLE_PROCESS,
         meta: dict[str, Any] | None = None,
         keep: int = 2,
     ) -> None:
@@ -173,7 +177,9 @@ class TrainState:
         component this run has (naming it)."""
         path = Path(path) if path is not None else self.latest()
         if path is None:
-            raise FileNotFoundError(f"{self.run_dir}: no complete train state under {state_root(self.run_dir)}")
+            raise FileNotFoundError(
+                f"{self.run_dir}: no complete train state under {state_root(self.run_dir)}"
+            )
         state = read_state(path)
         if int(state["world_size"]) != self.info.world_size:
             raise ValueError(
@@ -183,7 +189,9 @@ class TrainState:
         saved = state["components"]
         missing = [name for name in self.components if name not in saved]
         if missing:
-            raise ValueError(f"{path}: the saved state has no {', '.join(missing)} (it holds {', '.join(saved)})")
+            raise ValueError(
+                f"{path}: the saved state has no {', '.join(missing)} (it holds {', '.join(saved)})"
+            )
         for name, component in self.components.items():  # in order: the model before its optimizer
             component.load_state_dict(saved[name])
         return int(state["step"])

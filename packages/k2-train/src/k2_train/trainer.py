@@ -88,7 +88,7 @@ class Trainer:
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         *,
         config: TrainerConfig,
-        info: dd.DistInfo = dd.DistInfo(),
+        info: dd.DistInfo = dd.SINGLE_PROCESS,
         device: torch.device | str = "cpu",
         autocast_dtype: torch.dtype | None = None,
         callbacks: Sequence[Callback] = (),
@@ -133,7 +133,9 @@ class Trainer:
         weights = [self.loss.weight(mb) for mb in micro]
         total_weight = dd.all_reduce_scalar(sum(weights), "sum", info, self.device)
         if total_weight <= 0:
-            raise ValueError(f"step {self.step + 1}: the batch has nothing to train on (loss weight 0 on every rank)")
+            raise ValueError(
+                f"step {self.step + 1}: the batch has nothing to train on (loss weight 0 on every rank)"
+            )
         scale = info.world_size / total_weight
         loss_sum = 0.0
         for mb in micro:
@@ -144,8 +146,12 @@ class Trainer:
         loss = dd.all_reduce_scalar(loss_sum, "sum", info, self.device) / total_weight
         max_logit = None
         if hasattr(model, "attention_max_logits"):  # before any clip; MuonClip resets the record
-            max_logit = dd.all_reduce_scalar(float(model.attention_max_logits().max()), "max", info, self.device)
-        grad_norm = dd.to_float(torch.nn.utils.clip_grad_norm_(model.parameters(), self.config.grad_clip or math.inf))
+            max_logit = dd.all_reduce_scalar(
+                float(model.attention_max_logits().max()), "max", info, self.device
+            )
+        grad_norm = dd.to_float(
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.config.grad_clip or math.inf)
+        )
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -238,8 +244,10 @@ class Trainer:
                 batch = next(loader)
                 loader_s = (loader.wait_s - wait0) if wait0 is not None else time.perf_counter() - t0
                 metrics = self.train_step(batch, loader_s=loader_s)
-                if eval_batches is not None and cfg.eval_every and (
-                    self.step % cfg.eval_every == 0 or self.step == cfg.steps
+                if (
+                    eval_batches is not None
+                    and cfg.eval_every
+                    and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
                 ):
                     metrics.val_loss = self.evaluate(eval_batches())
                 for cb in callbacks:
@@ -247,7 +255,9 @@ class Trainer:
                 history.append(metrics)
                 last = metrics
                 if info.enabled:  # an interrupt on any rank stops every rank at the same step
-                    self._interrupted = bool(dd.all_reduce_scalar(float(self._interrupted), "max", info, self.device))
+                    self._interrupted = bool(
+                        dd.all_reduce_scalar(float(self._interrupted), "max", info, self.device)
+                    )
                 stop_here = bool(cfg.stop_at) and self.step == cfg.stop_at
                 due = bool(cfg.save_every) and self.step % cfg.save_every == 0
                 if state is not None and (due or self.step == cfg.steps or stop_here or self._interrupted):

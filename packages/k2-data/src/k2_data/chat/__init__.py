@@ -4,14 +4,26 @@
 
 - `render(messages, tools=None, add_generation_prompt=False) -> str`
 - `render_ids(tokenizer, messages, ...) -> list[int]` (alias `encode_chat`)
+- `render_ids_with_mask(tokenizer, messages, tools=None) -> (ids, loss_mask)`: SFT ids, 1 on assistant bodies
+- `validate_conversation(messages, tools=None)`: ValueError naming the field when it cannot be trained on
 - `parse_tool_calls(text) -> (content, tool_calls)`; malformed sections stay content, with a warning
 - `ToolCallStreamParser().feed(delta) / .finish()`: OpenAI chat-completion deltas as text arrives
 """
 
 from k2_data.chat.markers import DEFAULT_SYSTEM_PROMPT, GENERATION_PROMPT
 from k2_data.chat.parse import parse_tool_calls
-from k2_data.chat.render import encode_chat, render, render_chat, render_ids, render_segments, tools_json
+from k2_data.chat.render import (
+    encode_chat,
+    render,
+    render_chat,
+    render_ids,
+    render_ids_with_mask,
+    render_segments,
+    segments_to_ids,
+    tools_json,
+)
 from k2_data.chat.stream import StreamEnd, ToolCallStreamParser, accumulate_deltas
+from k2_data.chat.validate import validate_conversation
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
@@ -24,6 +36,9 @@ __all__ = [
     "render",
     "render_chat",
     "render_ids",
+    "render_ids_with_mask",
     "render_segments",
+    "segments_to_ids",
     "tools_json",
+    "validate_conversation",
 ]

@@ -14,6 +14,10 @@ after the function: `<|im_system|>{name}<|im_middle|>## Return of {tool_call_id}
 
 Rendering works on segments `(text, is_marker)` so that `render_ids` can map markers to their special ids and
 encode everything else as plain text: a message that contains the string `<|im_end|>` cannot end its turn.
+Internally each segment also says whether it is trained on in SFT (`render_ids_with_mask`): the body of an
+assistant turn (content and tool-call section) and its closing `<|im_end|>`; everything else, including the
+assistant header `<|im_assistant|>assistant<|im_middle|>`, is context. The flag changes only at markers, so no
+run of text (one BPE encode) ever straddles trained and untrained tokens.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from k2_data.chat.markers import (
 )
 
 Segment = tuple[str, bool]  # (text, is_marker): a marker is exactly one special token
+TaggedSegment = tuple[str, bool, bool]  # (text, is_marker, trainable)
 
 # the id shape K2 was trained on; the index counts calls across the whole conversation
 K2_CALL_ID = re.compile(r"functions\.(?P<name>.+):(?P<index>\d+)", re.DOTALL)
@@ -82,8 +87,10 @@ def _arguments_text(arguments: Any, where: str) -> str:
     raise ValueError(f"{where}: field 'function.arguments' must be a JSON string or an object")
 
 
-def _turn(marker: str, name: str, body: list[Segment]) -> list[Segment]:
-    return [(marker, True), (name, False), (IM_MIDDLE, True), *body, (IM_END, True)]
+def _turn(marker: str, name: str, body: list[Segment], trainable: bool = False) -> list[TaggedSegment]:
+    # the header (role marker, name, <|im_middle|>) is never trained; the body and <|im_end|> are when asked
+    head = [(marker, True, False), (name, False, False), (IM_MIDDLE, True, False)]
+    return head + [(text, is_marker, trainable) for text, is_marker in body] + [(IM_END, True, trainable)]
 
 
 def render_segments(
@@ -92,11 +99,20 @@ def render_segments(
     add_generation_prompt: bool = False,
 ) -> list[Segment]:
     """The rendered conversation as `(text, is_marker)` segments; see the module docstring."""
+    return [(text, is_marker) for text, is_marker, _ in _tagged_segments(messages, tools, add_generation_prompt)]
+
+
+def _tagged_segments(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+) -> list[TaggedSegment]:
+    """`render_segments` with a third field per segment: whether SFT trains on it (assistant bodies)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError(f"messages must be a list of message objects, got {type(messages).__name__}")
     if len(messages) == 0:
         raise ValueError("messages must not be empty")
-    segs: list[Segment] = []
+    segs: list[TaggedSegment] = []
     if tools:
         if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
             raise ValueError(f"tools must be a list of tool objects, got {type(tools).__name__}")
@@ -172,10 +188,10 @@ def render_segments(
                 call_count += 1
                 body_segs += [(CALL_BEGIN, True), (call_id, False), (ARGUMENT_BEGIN, True), (args, False), (CALL_END, True)]
             body_segs.append((SECTION_END, True))
-        segs += _turn(ROLE_MARKERS[role], name or role, body_segs)
+        segs += _turn(ROLE_MARKERS[role], name or role, body_segs, trainable=role == "assistant")
 
     if add_generation_prompt:
-        segs += [(IM_ASSISTANT, True), ("assistant", False), (IM_MIDDLE, True)]
+        segs += [(IM_ASSISTANT, True, False), ("assistant", False, False), (IM_MIDDLE, True, False)]
     return segs
 
 
@@ -190,22 +206,37 @@ def render(
 
 def segments_to_ids(tokenizer: Any, segments: Sequence[Segment]) -> list[int]:
     """Markers become their special ids; runs of plain text are encoded as text (never as specials)."""
+    return _tagged_to_ids(tokenizer, [(text, is_marker, False) for text, is_marker in segments])[0]
+
+
+def _tagged_to_ids(tokenizer: Any, segments: Sequence[TaggedSegment]) -> tuple[list[int], list[int]]:
+    """(ids, mask): markers as special ids, text runs encoded as text, each token with its segment's flag."""
     ids: list[int] = []
+    mask: list[int] = []
     run: list[str] = []
+    run_flag = 0
 
     def flush() -> None:
         if run:
-            ids.extend(tokenizer.encode("".join(run), allow_special=False))
+            piece = tokenizer.encode("".join(run), allow_special=False)
+            ids.extend(piece)
+            mask.extend([run_flag] * len(piece))
             run.clear()
 
-    for text, is_marker in segments:
+    for text, is_marker, trainable in segments:
         if is_marker:
             flush()
             ids.append(tokenizer.token_to_id(text))
+            mask.append(int(trainable))
         elif text:
-            run.append(text)  # adjacent text pieces are one run, as in the rendered string
+            # adjacent text pieces are one run, as in the rendered string; a run is encoded as a whole, so
+            # it must not mix trained and untrained text (the flag only changes at markers)
+            if run and int(trainable) != run_flag:
+                raise AssertionError(f"a text run spans a trainable/untrainable boundary at {text[:40]!r}")
+            run_flag = int(trainable)
+            run.append(text)
     flush()
-    return ids
+    return ids, mask
 
 
 def render_ids(
@@ -221,6 +252,20 @@ def render_ids(
     holds a marker string, which here stays text.
     """
     return segments_to_ids(tokenizer, render_segments(messages, tools, add_generation_prompt))
+
+
+def render_ids_with_mask(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> tuple[list[int], list[int]]:
+    """`render_ids(tokenizer, messages, tools)` plus a per-token SFT loss mask (0/1, same length).
+
+    1 for every assistant turn's body (content and tool-call section, markers included) and that turn's
+    closing `<|im_end|>`; 0 for the tool_declare and system turns, user turns, tool results and the
+    assistant header `<|im_assistant|>assistant<|im_middle|>`.
+    """
+    return _tagged_to_ids(tokenizer, _tagged_segments(messages, tools))
 
 
 encode_chat = render_ids
