@@ -50,6 +50,8 @@ class Server:
             *args,
             "--port",
             str(self.port),
+            "--served-model-name",
+            "m",
             "--no-ckpt-receiver",
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

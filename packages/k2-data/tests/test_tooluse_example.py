@@ -173,3 +173,27 @@ def test_heldout_is_prompt_only_and_disjoint(example):
 def test_bad_sizes_are_refused(tmp_path):
     with pytest.raises(ValueError, match="n_train and n_heldout must be >= 0"):
         write_tooluse_dataset(tmp_path, n_train=-1)
+
+
+def test_score_tool_call_needs_name_and_arguments():
+    from k2_data.examples.tooluse import score_tool_call
+
+    ref = {"name": "convert_units", "arguments": {"value": 12, "from_unit": "km", "to_unit": "mi"}}
+
+    def call(name: str, args: str) -> dict:
+        return {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "x", "type": "function", "function": {"name": name, "arguments": args}}],
+        }
+
+    assert score_tool_call(ref, call("convert_units", '{"to_unit":"mi","value":12.0,"from_unit":"km"}'))
+    assert not score_tool_call(ref, call("convert_units", '{"value":13,"from_unit":"km","to_unit":"mi"}'))
+    assert not score_tool_call(ref, call("calculator", '{"value":12,"from_unit":"km","to_unit":"mi"}'))
+    assert not score_tool_call(ref, call("convert_units", '{"value":12,'))  # not JSON
+    assert not score_tool_call(ref, {"role": "assistant", "content": "12 km is 7.46 mi"})
+    two = call("convert_units", '{"value":12,"from_unit":"km","to_unit":"mi"}')
+    two["tool_calls"] = two["tool_calls"] * 2
+    assert not score_tool_call(ref, two)
+    assert score_tool_call(None, {"role": "assistant", "content": "Hello!", "tool_calls": []})
+    assert not score_tool_call(None, call("get_time", '{"city":"Oslo"}'))

@@ -208,9 +208,9 @@ def run(args: argparse.Namespace, config_cls: type, extra: list[tuple[str, type,
         cfg = build_config(args, config_cls, extra)
         cfg.validate()
     except (ValueError, FileNotFoundError) as e:
-        console.print(f"[red]k2 {task}: {e}[/red]")
+        console.print(f"[red]k2 {task}: {e}[/red]", soft_wrap=True)
         return 2
-    callbacks = []
+    callbacks: list = []
     if not args.json:
         callbacks.append(
             RichProgress(console, cfg.steps, task)
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace, config_cls: type, extra: list[tuple[str, type,
             log=(lambda _msg: None) if args.json else console.print,
         )
     except (ValueError, FileNotFoundError, FileExistsError) as e:
-        console.print(f"[red]k2 {task}: {e}[/red]")
+        console.print(f"[red]k2 {task}: {e}[/red]", soft_wrap=True)
         return 2
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 reports
         return 0

@@ -25,13 +25,32 @@ def resolve_device(cfg: PretrainConfig) -> tuple[torch.device, torch.dtype]:
     return device, dtype
 
 
+def _init_source(init: str) -> tuple[str, Path]:
+    """("hf", dir) for an HF-format model dir, ("state", dir) for a k2 run or train-state dir."""
+    path = Path(init)
+    if not path.exists():
+        raise FileNotFoundError(f"--init {init}: no such directory")
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return "hf", path
+    from k2_train.state import STATE_FILE, latest_state
+
+    if (path / STATE_FILE).is_file():
+        return "state", path
+    if latest_state(path) is not None:
+        return "state", latest_state(path)
+    raise FileNotFoundError(
+        f"--init {init}: neither an HF-format model dir (config.json + *.safetensors) nor a k2 run "
+        "with a saved train state"
+    )
+
+
 def model_config(cfg: PretrainConfig) -> K2Config:
     """The architecture: the init weights' config when the run starts from some, else the preset."""
     init = getattr(cfg, "init", None)
     if init is None:
         return K2Config.preset(cfg.preset, **cfg.model_overrides)
-    path = Path(init)
-    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+    kind, path = _init_source(init)
+    if kind == "hf":
         return K2Config.from_hf(str(path))
     from k2_train.state import read_state
 
@@ -44,24 +63,15 @@ def model_config(cfg: PretrainConfig) -> K2Config:
 
 def load_init_weights(model: K2ForCausalLM, init: str) -> str:
     """Load `init` (an HF-format dir or a k2 run / train-state dir) into `model`; returns what it was."""
-    path = Path(init)
-    if not path.exists():
-        raise FileNotFoundError(f"--init {init}: no such directory")
-    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-        loaded = K2ForCausalLM.from_pretrained(str(path))
-        model.load_state_dict(loaded.state_dict())
+    kind, path = _init_source(init)
+    if kind == "hf":
+        model.load_state_dict(K2ForCausalLM.from_pretrained(str(path)).state_dict())
         return f"HF weights {path}"
     from k2_train.state import read_state
 
-    try:
-        state = read_state(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"--init {init}: neither an HF-format model dir (config.json + *.safetensors) nor a k2 run "
-            "with a saved train state"
-        ) from None
+    state = read_state(path)
     model.load_state_dict(state["components"]["model"])
-    return f"train state of {path} (step {state['step']})"
+    return f"train state {path} (step {state['step']})"
 
 
 def build_model(cfg: PretrainConfig, vocab_size: int, device: torch.device) -> K2ForCausalLM:

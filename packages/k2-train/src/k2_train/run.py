@@ -107,6 +107,7 @@ def _run(
     if info.is_main:
         log("preparing data (tokenized once, then cached)...")
         tokenized = prepare_tokenized(cfg)
+        _report_skipped(tokenized, log)
     tokenized = dd.broadcast_object(tokenized, info)
     train_ds, val_ds = build_datasets(cfg, tokenized)
     if val_ds is None and cfg.eval_every:
@@ -202,6 +203,20 @@ def _run(
         interrupted=result.interrupted,
         plots=plots,
     )
+
+
+def _report_skipped(tokenized: Path, log: Callable[[str], None], show: int = 10) -> None:
+    """Bad records are never trained on silently: say how many were skipped, and where."""
+    from k2_data import load_manifest
+
+    skipped = load_manifest(tokenized).get("skipped", [])
+    if not skipped:
+        return
+    log(f"skipped {len(skipped)} bad record(s) of the data (listed in {tokenized / 'manifest.json'}):")
+    for rec in skipped[:show]:
+        log(f"  {rec['file']}:{rec['where']}: {rec['reason']}")
+    if len(skipped) > show:
+        log(f"  ... and {len(skipped) - show} more")
 
 
 def _model_name(cfg: PretrainConfig) -> str:

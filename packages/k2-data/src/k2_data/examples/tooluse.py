@@ -513,6 +513,25 @@ __all__ = [
     "evaluate",
     "generate_tooluse",
     "local_time",
+    "score_tool_call",
     "weather",
     "write_tooluse_dataset",
 ]
+
+
+def score_tool_call(reference: dict | None, message: dict) -> bool:
+    """Whether an assistant `message` (OpenAI shape) answers a held-out prompt correctly: for a
+    tool prompt exactly one call, with the reference's name and arguments that parse to the
+    reference's (JSON equality, so key order and 12 vs 12.0 do not matter); for a no-tool prompt
+    no call at all."""
+    calls = message.get("tool_calls") or []
+    if reference is None:
+        return not calls
+    if len(calls) != 1:
+        return False
+    fn = calls[0].get("function") or {}
+    try:
+        arguments = json.loads(fn.get("arguments") or "")
+    except (TypeError, ValueError):
+        return False
+    return fn.get("name") == reference["name"] and arguments == reference["arguments"]

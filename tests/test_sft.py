@@ -1,0 +1,194 @@
+"""`k2 sft` end to end: masked loss on chat data, exact resume, --init, export and serving, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from k2_data.examples.tooluse import write_tooluse_dataset
+
+from k2_stack.cli import main
+
+SMALL = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+}
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("K2_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("chats")
+    write_tooluse_dataset(d, n_train=48, n_heldout=8, seed=0)
+    return d
+
+
+def _config(tmp_path: Path, chats: Path, name: str, **kw) -> Path:
+    cfg = dict(
+        model_overrides=SMALL,
+        data=str(chats / "train.jsonl"),
+        steps=6,
+        batch=4,
+        micro_batch=2,
+        seq_len=640,
+        lr=1e-2,
+        adamw_lr=1e-2,
+        warmup_steps=2,
+        eval_every=3,
+        eval_batches=1,
+        save_every=0,
+        threads=1,
+        val_fraction=0.1,
+        out=str(tmp_path / name),
+    )
+    cfg.update(kw)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sft_trains_on_assistant_tokens_only_and_resumes_exactly(tmp_path, chats, capsys):
+    assert main(["sft", "--config", str(_config(tmp_path, chats, "full")), "--json"]) == 0
+    full = _rows(tmp_path / "full")
+    assert [r["step"] for r in full] == list(range(1, 7))
+    for r in full:
+        assert {"step", "loss", "max_logit", "loss_tokens", "lr", "grad_norm"} <= set(r)
+    assert [r["step"] for r in full if "val_loss" in r] == [3, 6]
+    assert full[-1]["loss"] < full[0]["loss"]
+
+    # The loss covers the assistant turns only: the step's loss_tokens equal the trained
+    # tokens of the conversations in its samples, counted from the rendered data directly.
+    from k2_data import PackedDataset
+    from k2_train.data import build_datasets
+    from k2_train.config import SFTConfig
+
+    cfg = SFTConfig.from_file(_config(tmp_path, chats, "probe"))
+    tokenized = next((tmp_path / "cache" / "tokenized-chat").iterdir())
+    train, _ = build_datasets(cfg, tokenized)
+    assert isinstance(train, PackedDataset) and train.has_loss_mask
+    first_step = [train[g] for g in range(4)]
+    trained = sum(int((s["shift_labels"] != -100).sum()) for s in first_step)
+    total = sum(int((s["input_ids"] != train.pad_id).sum()) for s in first_step)
+    assert full[0]["loss_tokens"] == trained
+    assert 0 < trained < 0.25 * total  # tool declarations, system and user turns are context only
+
+    assert main(["sft", "--config", str(_config(tmp_path, chats, "part")), "--stop-at", "3", "--json"]) == 0
+    assert len(_rows(tmp_path / "part")) == 3
+    assert main(["sft", "--resume", str(tmp_path / "part"), "--json"]) == 0
+    assert [r["loss"] for r in _rows(tmp_path / "part")] == [r["loss"] for r in full]  # bit-identical
+
+    # a resumed run keeps its configuration: a changed flag is refused by name
+    capsys.readouterr()
+    assert main(["sft", "--resume", str(tmp_path / "part"), "--lr", "0.5"]) == 2
+    err = capsys.readouterr().out
+    assert "--lr 0.5" in err and "0.01" in err
+    # and a pretrain run cannot be resumed as SFT
+    assert main(["pretrain", "--resume", str(tmp_path / "part")]) == 2
+
+
+def test_init_from_a_run_export_and_serve(tmp_path, chats):
+    """--init takes another run's weights; the SFT run exports to HF format and k2 serve's app
+    answers a held-out prompt through the chat endpoint with tools."""
+    from fastapi.testclient import TestClient
+    from k2_train.builders import build_model
+    from k2_train.config import SFTConfig
+    from k2_train.state import read_state
+
+    assert (
+        main(["sft", "--config", str(_config(tmp_path, chats, "base", steps=2, eval_every=0)), "--json"]) == 0
+    )
+    cfg = SFTConfig.from_file(
+        _config(tmp_path, chats, "ft", steps=2, eval_every=0, init=str(tmp_path / "base"))
+    )
+    model = build_model(cfg, 0, torch.device("cpu"))
+    saved = read_state(tmp_path / "base")["components"]["model"]
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+
+    assert (
+        main(
+            [
+                "sft",
+                "--config",
+                str(_config(tmp_path, chats, "ft", steps=2, eval_every=0, init=str(tmp_path / "base"))),
+                "--json",
+            ]
+        )
+        == 0
+    )
+    assert main(["export", str(tmp_path / "ft"), "--out", str(tmp_path / "hf")]) == 0
+    from k2_model import K2ForCausalLM
+
+    exported = K2ForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    final = read_state(tmp_path / "ft")["components"]["model"]
+    for name, value in exported.state_dict().items():
+        assert torch.equal(value, final[name]), name
+
+    from k2_stack.serve import build_bridge, create_app
+
+    bridge = build_bridge(str(tmp_path / "hf"), None, max_batch_size=2)
+    try:
+        heldout = json.loads((chats / "heldout.jsonl").read_text().splitlines()[0])
+        with TestClient(create_app(bridge)) as client:
+            r = client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "hf",
+                    "messages": heldout["messages"],
+                    "tools": heldout["tools"],
+                    "tool_choice": "auto",
+                    "max_tokens": 8,
+                    "temperature": 0,
+                },
+            )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] in ("length", "stop", "tool_calls")
+    finally:
+        bridge.close()
+
+
+def test_bad_data_and_init_are_one_line_errors(tmp_path, chats, capsys):
+    assert main(["sft", "--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().out
+    assert (
+        main(["sft", "--config", str(_config(tmp_path, chats, "y", init=str(tmp_path / "nope"))), "--json"])
+        == 2
+    )
+    assert "--init" in capsys.readouterr().out
+    # bad records are reported with file and line, and skipped
+    bad = tmp_path / "bad.jsonl"
+    lines = (chats / "train.jsonl").read_text().splitlines()[:20]
+    lines[3] = json.dumps({"messages": [{"role": "wizard", "content": "hi"}]})
+    bad.write_text("\n".join(lines) + "\n")
+    assert (
+        main(
+            [
+                "sft",
+                "--config",
+                str(_config(tmp_path, chats, "z", data=str(bad), steps=1, eval_every=0, val_fraction=0.05)),
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "skipped 1 bad record" in out and "bad.jsonl:4" in out and "wizard" in out
