@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from k2_train import PretrainConfig, run_training
 from k2_train.state import latest_state
 
@@ -129,7 +128,6 @@ def test_cli_resume_and_errors(tmp_path, corpus, capsys):
 
 def test_optimizers_build(tmp_path, corpus):
     from k2_optim import MuonClip
-
     from k2_train.builders import build_model, build_optimizer
 
     model = build_model(_cfg(tmp_path, corpus), 8192, torch.device("cpu"))
@@ -248,7 +246,6 @@ def test_activation_checkpointing_keeps_loss_grads_and_expert_loads(tmp_path, co
 def test_document_mask_equals_separate_documents(tmp_path, corpus):
     """With the document mask, a packed sample's loss equals running each document on its own."""
     import torch.nn.functional as F
-
     from k2_train.builders import build_model
     from k2_train.data import build_datasets, prepare_tokenized
 

@@ -79,8 +79,8 @@ def test_sft_trains_on_assistant_tokens_only_and_resumes_exactly(tmp_path, chats
     # The loss covers the assistant turns only: the step's loss_tokens equal the trained
     # tokens of the conversations in its samples, counted from the rendered data directly.
     from k2_data import PackedDataset
-    from k2_train.data import build_datasets
     from k2_train.config import SFTConfig
+    from k2_train.data import build_datasets
 
     cfg = SFTConfig.from_file(_config(tmp_path, chats, "probe"))
     tokenized = next((tmp_path / "cache" / "tokenized-chat").iterdir())
