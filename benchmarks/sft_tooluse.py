@@ -121,6 +121,11 @@ def k2(*args: str) -> None:
         raise RuntimeError(f"k2 {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
+def _steps_done(run: Path) -> int:
+    lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").is_file() else []
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -158,6 +163,8 @@ def main() -> int:
                 "--json",
                 *args.sft_args.split(),
             )
+        elif _steps_done(run) < args.steps:  # a run stopped part-way: continue it exactly
+            k2("sft", "--resume", str(run), "--json")
         train_s = time.perf_counter() - t0
         k2("export", str(run), "--out", str(hf))
         with Server("--model", str(hf)) as srv:
