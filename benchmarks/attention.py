@@ -27,25 +27,20 @@ cost of the max-logit output (ours with vs without it).
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import platform
+import statistics
+import subprocess
 import sys
+import time
+from collections.abc import Callable
 
-# benchmarks/ holds a tokenize.py that would shadow the stdlib module torch's import needs
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from k2_kernels import attention_ops, ops, reference  # noqa: E402
-from k2_kernels import info as kernels_info  # noqa: E402
+import torch
+import torch.nn.functional as F
+from k2_kernels import attention_ops, ops, reference
+from k2_kernels import info as kernels_info
 
 DK, DV = 192, 128
 IMPLS = ("ours", "eager", "sdpa", "sdpa+max")
@@ -77,12 +72,15 @@ def step_fn(impl: str, q, k, v, dout) -> Callable[[], None]:
             finally:
                 attention_ops.PROBS_MAX_SEQLEN = saved
             out.backward(dout)
+
         return run
     if impl == "eager":
+
         def run() -> None:
             qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
             out, _, _ = reference.mla_attention(qq, kk, vv, None, scale)
             out.backward(dout)
+
         return run
     # SDPA wants [B, H, S, D] with one head dim: v (and its gradient) padded to 192
     q4, k4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k))
@@ -100,6 +98,7 @@ def step_fn(impl: str, q, k, v, dout) -> Callable[[], None]:
                 del s
         out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale)
         out.backward(g4)
+
     return run
 
 
@@ -155,7 +154,9 @@ def cpu_main(args: argparse.Namespace) -> None:
         f"# torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} cpus, {threads} threads, "
         f"BLAS: {kernels_info()['blas']}, load average at start: {os.getloadavg()[0]:.1f}"
     )
-    print(f"# heads {args.heads}, Dk {DK}, Dv {DV}, causal, one document, fp32, fwd+bwd, median of {args.repeats}")
+    print(
+        f"# heads {args.heads}, Dk {DK}, Dv {DV}, causal, one document, fp32, fwd+bwd, median of {args.repeats}"
+    )
     rows = []
     for S in args.seqs:
         print(f"# measuring S={S} ...", file=sys.stderr, flush=True)  # the table comes at the end
@@ -168,8 +169,10 @@ def cpu_main(args: argparse.Namespace) -> None:
         fwd, bwd = fwd_bwd_flops(S, args.heads)
         rows.append((S, t, mem, (fwd + bwd) / 1e9))
     print()
-    print("| S | ours (s) | eager (s) | sdpa (s) | sdpa+max (s) | ours / eager | ours / sdpa | ours GFLOP/s "
-          "| peak MB ours | eager | sdpa |")
+    print(
+        "| S | ours (s) | eager (s) | sdpa (s) | sdpa+max (s) | ours / eager | ours / sdpa | ours GFLOP/s "
+        "| peak MB ours | eager | sdpa |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for S, t, mem, gflop in rows:
         cells = [f"{t[i]:.3f}" if i in t else "-" for i in IMPLS]
@@ -181,9 +184,13 @@ def cpu_main(args: argparse.Namespace) -> None:
         )
     for S, t, _, _ in rows:
         if "ours-recompute" in t:
-            print(f"S={S}: ours keeps the forward's probabilities; with the backward recomputing them instead: "
-                  f"{t['ours-recompute']:.4f} s ({t['ours'] / t['ours-recompute']:.2f}x)")
-    print("\nratios: lower is better (ours / anchor); targets: < 1 vs eager everywhere, <= 1 vs sdpa for S >= 2048")
+            print(
+                f"S={S}: ours keeps the forward's probabilities; with the backward recomputing them instead: "
+                f"{t['ours-recompute']:.4f} s ({t['ours'] / t['ours-recompute']:.2f}x)"
+            )
+    print(
+        "\nratios: lower is better (ours / anchor); targets: < 1 vs eager everywhere, <= 1 vs sdpa for S >= 2048"
+    )
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -232,7 +239,9 @@ def gpu_main(args: argparse.Namespace) -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, k2_kernels {kernels_info()}")
     peer_name, peer = gpu_peer()
     print(f"# peer: {peer_name}; bf16, heads {args.heads}, Dk {DK}, Dv {DV}, causal, one document")
-    print("| S | ours fwd TFLOP/s | peer fwd TFLOP/s | ours bwd TFLOP/s | peer bwd TFLOP/s | max-logit cost (fwd) |")
+    print(
+        "| S | ours fwd TFLOP/s | peer fwd TFLOP/s | ours bwd TFLOP/s | peer bwd TFLOP/s | max-logit cost (fwd) |"
+    )
     print("|---|---|---|---|---|---|")
     for S in args.seqs:
         print(gpu_row(C, peer, S, args.heads, args.repeats))
@@ -294,7 +303,9 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--seqs", default=None, help="comma-separated sequence lengths (CPU default 512,1024,2048,4096)")
+    ap.add_argument(
+        "--seqs", default=None, help="comma-separated sequence lengths (CPU default 512,1024,2048,4096)"
+    )
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch/OpenMP threads (0: torch's default)")

@@ -24,16 +24,11 @@ Every tensor is verified bitwise on every engine (BLAKE2b of its bytes). Exit st
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import platform
 import sys
-
-# benchmarks/ holds a tokenize.py that would shadow the stdlib module torch's import needs
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:
@@ -56,11 +51,18 @@ def _table(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--params", type=float, default=None,
-                    help="model parameters (default: 1e9 on cuda, 2e7 on cpu)")
-    ap.add_argument("--ranks", type=int, default=None,
-                    help="ranks, one device each (default: 1 on cuda, the lent machine has one GPU; 2 on cpu)")
-    ap.add_argument("--bucket-mb", type=float, default=None, help="maximum bucket MiB (default: 256 cuda, 8 cpu)")
+    ap.add_argument(
+        "--params", type=float, default=None, help="model parameters (default: 1e9 on cuda, 2e7 on cpu)"
+    )
+    ap.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help="ranks, one device each (default: 1 on cuda, the lent machine has one GPU; 2 on cpu)",
+    )
+    ap.add_argument(
+        "--bucket-mb", type=float, default=None, help="maximum bucket MiB (default: 256 cuda, 8 cpu)"
+    )
     ap.add_argument("--repeats", type=int, default=5, help="timed updates (best reported; default 5)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--timeout-s", type=float, default=600.0)
@@ -69,9 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     from k2_ckpt.bench import ModelBenchConfig, run_model_bench
 
     cuda = args.device == "cuda"
-    cfg = ModelBenchConfig(device=args.device, ranks=args.ranks or (1 if cuda else 2),
-                           params=args.params or (1e9 if cuda else 2e7),
-                           bucket_mb=args.bucket_mb or (256.0 if cuda else 8.0), repeats=args.repeats)
+    cfg = ModelBenchConfig(
+        device=args.device,
+        ranks=args.ranks or (1 if cuda else 2),
+        params=args.params or (1e9 if cuda else 2e7),
+        bucket_mb=args.bucket_mb or (256.0 if cuda else 8.0),
+        repeats=args.repeats,
+    )
     if cfg.ranks < 1 or cfg.params <= 0 or cfg.bucket_mb <= 0 or cfg.repeats < 1:
         ap.error("--ranks, --params, --bucket-mb and --repeats must be positive")
     res = run_model_bench(cfg, timeout_s=args.timeout_s)
@@ -79,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(res))
     else:
-        print(f"k2-ckpt update, {cfg.ranks} rank(s) on {args.device}, {res['params'] / 1e6:.0f}M params "
-              f"({res['model_gb']:.2f} GB), best of {cfg.repeats}; register {res['register_s']:.2f}s, "
-              f"verify {res['verify_s']:.2f}s")
+        print(
+            f"k2-ckpt update, {cfg.ranks} rank(s) on {args.device}, {res['params'] / 1e6:.0f}M params "
+            f"({res['model_gb']:.2f} GB), best of {cfg.repeats}; register {res['register_s']:.2f}s, "
+            f"verify {res['verify_s']:.2f}s"
+        )
         print(_table(res))
         for note in res["notes"]:
             print(f"note: {note}")

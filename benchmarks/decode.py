@@ -18,19 +18,13 @@ re-expands every cached token through kv_b_proj at every step; the engine never 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import tempfile
 import time
 
-# benchmarks/ holds a tokenize.py that would shadow the standard library's
-_here = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
-
-import torch  # noqa: E402
-from k2_model import K2Config, K2ForCausalLM  # noqa: E402
-from k2_model.engine import Engine, SamplingParams  # noqa: E402
+import torch
+from k2_model import K2Config, K2ForCausalLM
+from k2_model.engine import Engine, SamplingParams
 
 
 def cache_tensors_bytes(past) -> int:
@@ -71,7 +65,9 @@ def main() -> None:
     pad = cfg.pad_token_id
     S = max(lengths)
     ids = torch.tensor([[pad] * (S - len(p)) + p for p in prompts], device=device)
-    mask = (torch.arange(S, device=device)[None] >= torch.tensor([S - n for n in lengths], device=device)[:, None]).long()
+    mask = (
+        torch.arange(S, device=device)[None] >= torch.tensor([S - n for n in lengths], device=device)[:, None]
+    ).long()
     n_new = args.new_tokens
     total = n_new * len(prompts)
 
@@ -109,16 +105,27 @@ def main() -> None:
     agree = sum(a == b for x, y in zip(tok_ours, tok_theirs) for a, b in zip(x, y)) / total
     same_seq = sum(x == y for x, y in zip(tok_ours, tok_theirs))
     print(f"# decode benchmark: tiny preset ({ours.num_parameters() / 1e6:.1f}M params, fp32, {device}),")
-    print(f"# {len(prompts)} prompts of {min(lengths)}..{max(lengths)} tokens, {n_new} new tokens each, greedy;")
-    print(f"# torch {torch.__version__}, transformers {tf_version}, threads {args.threads}, repeats {args.repeats}")
+    print(
+        f"# {len(prompts)} prompts of {min(lengths)}..{max(lengths)} tokens, {n_new} new tokens each, greedy;"
+    )
+    print(
+        f"# torch {torch.__version__}, transformers {tf_version}, threads {args.threads}, repeats {args.repeats}"
+    )
     print(f"# greedy tokens identical: {agree:.1%} of tokens, {same_seq}/{len(prompts)} sequences")
     print()
-    print("| generator | s min | s median | tokens/s (min time) | tokens/s (median) | speed-up (min) | speed-up (median) |")
+    print(
+        "| generator | s min | s median | tokens/s (min time) | tokens/s (median) | speed-up (min) | speed-up (median) |"
+    )
     print("|---|---|---|---|---|---|---|")
     base_min, base_med = min(t_theirs), statistics.median(t_theirs)
-    for name, ts in (("transformers DeepseekV3ForCausalLM.generate", t_theirs), ("k2_model.engine.Engine", t_ours)):
+    for name, ts in (
+        ("transformers DeepseekV3ForCausalLM.generate", t_theirs),
+        ("k2_model.engine.Engine", t_ours),
+    ):
         mn, md = min(ts), statistics.median(ts)
-        print(f"| {name} | {mn:.3f} | {md:.3f} | {total / mn:.0f} | {total / md:.0f} | {base_min / mn:.2f}x | {base_med / md:.2f}x |")
+        print(
+            f"| {name} | {mn:.3f} | {md:.3f} | {total / mn:.0f} | {total / md:.0f} | {base_min / mn:.2f}x | {base_med / md:.2f}x |"
+        )
 
     H, L = cfg.num_attention_heads, cfg.num_hidden_layers
     ours_b = engine.cache_bytes_per_token()
@@ -129,10 +136,14 @@ def main() -> None:
     k2_ours = (k2.kv_lora_rank + k2.qk_rope_head_dim) * k2.num_hidden_layers * 2
     k2_exp = k2.num_attention_heads * (k2.qk_head_dim + k2.v_head_dim) * k2.num_hidden_layers * 2
     print()
-    print("| KV cache bytes per token | k2_model.engine (latent + rotary key) | expanded per-head K and V | ratio |")
+    print(
+        "| KV cache bytes per token | k2_model.engine (latent + rotary key) | expanded per-head K and V | ratio |"
+    )
     print("|---|---|---|---|")
     print(f"| tiny preset, fp32 (formula) | {ours_b:,} | {expanded_b:,} | {expanded_b / ours_b:.2f}x |")
-    print(f"| tiny preset, fp32 (measured: transformers 5.x DynamicCache, also latent) | {ours_b:,} | {hf_b:,.0f} | {hf_b / ours_b:.2f}x |")
+    print(
+        f"| tiny preset, fp32 (measured: transformers 5.x DynamicCache, also latent) | {ours_b:,} | {hf_b:,.0f} | {hf_b / ours_b:.2f}x |"
+    )
     print(f"| Kimi K2, bf16 (formula) | {k2_ours:,} | {k2_exp:,} | {k2_exp / k2_ours:.2f}x |")
 
 

@@ -13,20 +13,13 @@ k2-kernels' fused grouped GEMM, to show what that kernel contributes.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import tempfile
 import time
 
-# benchmarks/ holds a tokenize.py that would shadow the standard library's when this script's
-# directory is sys.path[0]
-_here = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
-
-import torch  # noqa: E402
-from k2_model import K2Config, K2ForCausalLM  # noqa: E402
-from k2_model.moe import RoutedExperts  # noqa: E402
+import torch
+from k2_model import K2Config, K2ForCausalLM
+from k2_model.moe import RoutedExperts
 
 
 def bench_config() -> K2Config:

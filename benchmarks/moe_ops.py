@@ -9,22 +9,14 @@ Shape legend: T tokens, E experts, K experts per token, G groups (kept TG), D hi
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
 
-# Running `python benchmarks/x.py` puts benchmarks/ first on sys.path, where a sibling script
-# (benchmarks/tokenize.py) would shadow the standard library module of the same name.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
-
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from functools import partial  # noqa: E402
-
-import torch  # noqa: E402
-from k2_kernels import info, ops, reference  # noqa: E402
+import torch
+from k2_kernels import info, ops, reference
 
 
 def bench(fn: Callable[[], object], device: str, reps: int, warmup: int = 3) -> float:
@@ -43,7 +35,9 @@ def bench(fn: Callable[[], object], device: str, reps: int, warmup: int = 3) -> 
     return statistics.median(times)
 
 
-def unpermute_fwd_bwd(mod, y_ND: torch.Tensor, rows_N: torch.Tensor, w_TK: torch.Tensor, grad_TD: torch.Tensor) -> None:
+def unpermute_fwd_bwd(
+    mod, y_ND: torch.Tensor, rows_N: torch.Tensor, w_TK: torch.Tensor, grad_TD: torch.Tensor
+) -> None:
     y_ND.grad = w_TK.grad = None
     mod.moe_unpermute(y_ND, rows_N, w_TK).backward(grad_TD)
 
@@ -93,7 +87,9 @@ def main() -> None:
         rows.append((f"unpermute fwd+bwd ({name})", t_ref, t_k2))
 
     print()
-    print(f"| op (T={T}, D={D}, {str(dtype).replace('torch.', '')}, {dev}) | reference ms | k2 ms | speedup |")
+    print(
+        f"| op (T={T}, D={D}, {str(dtype).replace('torch.', '')}, {dev}) | reference ms | k2 ms | speedup |"
+    )
     print("|---|---:|---:|---:|")
     for label, t_ref, t_k2 in rows:
         print(f"| {label} | {t_ref:.3f} | {t_k2:.3f} | {t_ref / t_k2:.2f}x |")

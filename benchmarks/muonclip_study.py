@@ -15,27 +15,19 @@ K2 preset for several optimizer settings, all on the same data and tokens, then 
 
 from __future__ import annotations
 
-import os
-import sys
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
 
-# benchmarks/ holds tokenize.py (the name the data issue asks for), which would shadow the
-# standard library's module while this script's directory is first on sys.path.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from k2_train import PretrainConfig, run_training  # noqa: E402
-from k2_train.metrics import read_metrics  # noqa: E402
-from k2_train.plots import plot_runs  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from k2_train import PretrainConfig, run_training
+from k2_train.metrics import read_metrics
+from k2_train.plots import plot_runs
+from rich.console import Console
+from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +35,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # Learning rates per optimizer, from one grid {3e-3, 1e-2, 3e-2}: AdamW at the lower two, Muon and
 # MuonClip at the upper two (Muon's RMS-matched update wants a larger lr; on 2 CPU cores the
 # full 3x3 grid takes too long, and these are the pairs around each optimizer's best).
-RUNS = (("adamw", 3e-3), ("adamw", 1e-2), ("muon", 1e-2), ("muon", 3e-2), ("muonclip", 1e-2), ("muonclip", 3e-2))
+RUNS = (
+    ("adamw", 3e-3),
+    ("adamw", 1e-2),
+    ("muon", 1e-2),
+    ("muon", 3e-2),
+    ("muonclip", 1e-2),
+    ("muonclip", 3e-2),
+)
 
 
 def grid(quick: bool) -> list[tuple[str, dict]]:
@@ -80,13 +79,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--tau", type=float, default=30.0, help="QK-Clip threshold (the paper's small ablation used 30)")
+    ap.add_argument(
+        "--tau", type=float, default=30.0, help="QK-Clip threshold (the paper's small ablation used 30)"
+    )
     ap.add_argument("--max-corpus-mb", type=float, default=4.0)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / f"study-{time.strftime('%Y%m%d-%H%M%S')}")
     ap.add_argument("--docs", type=Path, default=ROOT / "docs")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="three runs instead of the full grid")
-    ap.add_argument("--replot", action="store_true", help="no training: re-read the runs in --out, rewrite docs")
+    ap.add_argument(
+        "--replot", action="store_true", help="no training: re-read the runs in --out, rewrite docs"
+    )
     args = ap.parse_args()
     console = Console()
     tail = max(1, min(50, args.steps // 4))
@@ -94,9 +97,17 @@ def main() -> None:
     results, curves = [], []
     for label, overrides in grid(args.quick):
         cfg = PretrainConfig(
-            steps=args.steps, batch=args.batch, seq_len=args.seq_len, tau=args.tau, max_corpus_mb=args.max_corpus_mb,
-            eval_every=max(1, args.steps // 4), save_every=0, warmup_steps=max(1, args.steps // 20),
-            log_post_clip_logit=True, threads=args.threads, out=str(args.out / label.replace(" ", "_").replace("=", "")),
+            steps=args.steps,
+            batch=args.batch,
+            seq_len=args.seq_len,
+            tau=args.tau,
+            max_corpus_mb=args.max_corpus_mb,
+            eval_every=max(1, args.steps // 4),
+            save_every=0,
+            warmup_steps=max(1, args.steps // 20),
+            log_post_clip_logit=True,
+            threads=args.threads,
+            out=str(args.out / label.replace(" ", "_").replace("=", "")),
             **overrides,
         )
         t0 = time.perf_counter()
@@ -119,21 +130,40 @@ def main() -> None:
     (args.out / "summary.json").parent.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(results, indent=2))
 
-    table = Table(title=f"tiny K2, {args.steps} steps x {args.batch} x {args.seq_len} tokens, tau={args.tau:g}")
-    for col in ("run", f"last-{tail} loss", "val loss", "peak max logit", "last max logit", "peak after clip",
-                "steps with a clip", "heads ever clipped"):
+    table = Table(
+        title=f"tiny K2, {args.steps} steps x {args.batch} x {args.seq_len} tokens, tau={args.tau:g}"
+    )
+    for col in (
+        "run",
+        f"last-{tail} loss",
+        "val loss",
+        "peak max logit",
+        "last max logit",
+        "peak after clip",
+        "steps with a clip",
+        "heads ever clipped",
+    ):
         table.add_column(col, justify="right")
     for s in results:
-        table.add_row(s["run"], f"{s['tail_loss']:.3f}", f"{s['val_loss']:.3f}", f"{s['peak_max_logit']:.1f}",
-                      f"{s['last_max_logit']:.1f}", f"{s['peak_after_clip']:.1f}", str(s["clipped_steps"]),
-                      f"{100 * s['fraction_ever_clipped']:.0f}%")
+        table.add_row(
+            s["run"],
+            f"{s['tail_loss']:.3f}",
+            f"{s['val_loss']:.3f}",
+            f"{s['peak_max_logit']:.1f}",
+            f"{s['last_max_logit']:.1f}",
+            f"{s['peak_after_clip']:.1f}",
+            str(s["clipped_steps"]),
+            f"{100 * s['fraction_ever_clipped']:.0f}%",
+        )
     console.print(table)
     write_results_md(args, results, tail)
     console.print(f"wrote {args.docs / 'results.md'} and plots in {img}; runs in {args.out}")
 
 
 def write_results_md(args: argparse.Namespace, results: list[dict], tail: int) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
     lines = [
         f"| run | last-{tail}-step mean loss | final val loss | peak max logit (before clip) | last max logit | "
         "peak max logit after clip | steps with a clip | heads ever clipped |",
@@ -152,11 +182,13 @@ def write_results_md(args: argparse.Namespace, results: list[dict], tail: int) -
         f"{platform.processor() or platform.machine()} -->\n"
     )
     start, end = "<!-- study:begin -->", "<!-- study:end -->"
-    body = f"{start}\n{header}\n{block}\n\nCommand: `python benchmarks/muonclip_study.py --steps {args.steps} " \
-           f"--batch {args.batch} --seq-len {args.seq_len} --tau {args.tau:g}`\n{end}"
+    body = (
+        f"{start}\n{header}\n{block}\n\nCommand: `python benchmarks/muonclip_study.py --steps {args.steps} "
+        f"--batch {args.batch} --seq-len {args.seq_len} --tau {args.tau:g}`\n{end}"
+    )
     text = md.read_text() if md.exists() else "# Results\n\n" + body + "\n"
     if start in text and end in text:
-        text = text[: text.index(start)] + body + text[text.index(end) + len(end):]
+        text = text[: text.index(start)] + body + text[text.index(end) + len(end) :]
     md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(text)
 

@@ -26,25 +26,20 @@ with --threads 1 the clock is the process CPU time, which other jobs on the core
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
+import platform
+import time
+from collections.abc import Callable
 
-# benchmarks/ holds a tokenize.py that would shadow the stdlib module torch's import needs
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-
-import argparse  # noqa: E402
-import platform  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-
-import torch  # noqa: E402
-from k2_optim import Muon, newton_schulz, resolve_ns_schedule  # noqa: E402
-from k2_optim.muon import cpu_has_native_bf16, default_ns_dtype  # noqa: E402
+import torch
+from k2_optim import Muon, newton_schulz, resolve_ns_schedule
+from k2_optim.muon import cpu_has_native_bf16, default_ns_dtype
 
 try:
-    from k2_kernels.newton_schulz_ops import kernel_serves  # noqa: E402
+    from k2_kernels.newton_schulz_ops import kernel_serves
 except ImportError:  # k2-kernels absent: k2_optim runs its PyTorch path
+
     def kernel_serves(device, dtype) -> bool:  # noqa: E306
         return False
 
@@ -127,8 +122,10 @@ def interleaved(fns: list[Callable[[], object]], repeats: int, sync=lambda: None
 def muon_step_case(shapes, repeats: int, skip_torch: bool) -> tuple[float, float, float | None]:
     """(ours with the CPU default fp32 NS, ours with ns_dtype="auto", torch.optim.Muon) step seconds."""
     g = torch.Generator().manual_seed(0)
-    ours = [torch.nn.Parameter(torch.randn(n, r, c, generator=g) if n > 1 else torch.randn(r, c, generator=g))
-            for n, r, c in shapes]
+    ours = [
+        torch.nn.Parameter(torch.randn(n, r, c, generator=g) if n > 1 else torch.randn(r, c, generator=g))
+        for n, r, c in shapes
+    ]
     for p in ours:
         p.grad = torch.randn(p.shape, generator=g)
     opt = Muon(ours, lr=0.02, weight_decay=0.1)
@@ -136,7 +133,9 @@ def muon_step_case(shapes, repeats: int, skip_torch: bool) -> tuple[float, float
     t_ours, t_auto = interleaved([opt.step, opt_auto.step], repeats)
     if skip_torch:
         return t_ours, t_auto, None
-    ref = [torch.nn.Parameter(m.detach().clone()) for p in ours for m in (p.unbind(0) if p.ndim == 3 else [p])]
+    ref = [
+        torch.nn.Parameter(m.detach().clone()) for p in ours for m in (p.unbind(0) if p.ndim == 3 else [p])
+    ]
     for p in ref:
         p.grad = torch.randn(p.shape, generator=g)
     ropt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
@@ -145,15 +144,19 @@ def muon_step_case(shapes, repeats: int, skip_torch: bool) -> tuple[float, float
     return t_ours, t_auto, t_ref
 
 
-def ns_case(shapes, repeats: int, device: str, dtype: torch.dtype, backend: str = "auto") -> tuple[float, float]:
+def ns_case(
+    shapes, repeats: int, device: str, dtype: torch.dtype, backend: str = "auto"
+) -> tuple[float, float]:
     """(k2_optim.newton_schulz with `backend`, the plain batched NS) seconds for all shapes."""
     g = torch.Generator().manual_seed(1)
     batches = [torch.randn(n, r, c, generator=g).to(device) for n, r, c in shapes]
     sched = resolve_ns_schedule("keller", 5)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     t_ours, t_plain = interleaved(
-        [lambda: [newton_schulz(b, sched, dtype=dtype, backend=backend) for b in batches],
-         lambda: [plain_batched_ns(b, dtype=dtype) for b in batches]],
+        [
+            lambda: [newton_schulz(b, sched, dtype=dtype, backend=backend) for b in batches],
+            lambda: [plain_batched_ns(b, dtype=dtype) for b in batches],
+        ],
         repeats,
         sync,
     )
@@ -171,11 +174,27 @@ def cuda_rows(cases: list[str], repeats: int) -> list[tuple]:
         shapes = case_shapes(case)
         fl = ns_flops(shapes)
         t_ns, t_plain = ns_case(shapes, max(repeats, 10), "cuda", torch.bfloat16)
-        rows.append((case, f"(3) NS bf16 CUDA, {ns_label('cuda', torch.bfloat16)} ({fl / t_ns / 1e12:.0f} TFLOP/s)",
-                     f"plain bf16 NS ({fl / t_plain / 1e12:.0f} TFLOP/s)", t_ns, t_plain, 1.0))
+        rows.append(
+            (
+                case,
+                f"(3) NS bf16 CUDA, {ns_label('cuda', torch.bfloat16)} ({fl / t_ns / 1e12:.0f} TFLOP/s)",
+                f"plain bf16 NS ({fl / t_plain / 1e12:.0f} TFLOP/s)",
+                t_ns,
+                t_plain,
+                1.0,
+            )
+        )
         t_ns, t_plain = ns_case(shapes, max(repeats, 10), "cuda", torch.bfloat16, backend="torch")
-        rows.append((case, f"(3a) NS bf16 CUDA, k2_optim PyTorch path ({fl / t_ns / 1e12:.0f} TFLOP/s)",
-                     f"plain bf16 NS ({fl / t_plain / 1e12:.0f} TFLOP/s)", t_ns, t_plain, 1.0))
+        rows.append(
+            (
+                case,
+                f"(3a) NS bf16 CUDA, k2_optim PyTorch path ({fl / t_ns / 1e12:.0f} TFLOP/s)",
+                f"plain bf16 NS ({fl / t_plain / 1e12:.0f} TFLOP/s)",
+                t_ns,
+                t_plain,
+                1.0,
+            )
+        )
         g = torch.Generator(device="cuda").manual_seed(0)
         ours = [torch.nn.Parameter(torch.randn(n, r, c, device="cuda", generator=g)) for n, r, c in shapes]
         for p in ours:
@@ -187,7 +206,16 @@ def cuda_rows(cases: list[str], repeats: int) -> list[tuple]:
         ropt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
         t_ours, t_ref = interleaved([opt.step, ropt.step], repeats, sync)
         nmat = sum(n for n, _, _ in shapes)
-        rows.append((case, f"(3) Muon step CUDA, {nmat} matrices (bf16 NS)", "torch.optim.Muon CUDA", t_ours, t_ref, 1.0))
+        rows.append(
+            (
+                case,
+                f"(3) Muon step CUDA, {nmat} matrices (bf16 NS)",
+                "torch.optim.Muon CUDA",
+                t_ours,
+                t_ref,
+                1.0,
+            )
+        )
         del ours, ref, opt, ropt
         torch.cuda.empty_cache()
     return rows
@@ -196,7 +224,9 @@ def cuda_rows(cases: list[str], repeats: int) -> list[tuple]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--cases", default=None, help="comma list of tiny, moe, k2moe (default: tiny,moe; +k2moe on cuda)")
+    ap.add_argument(
+        "--cases", default=None, help="comma list of tiny, moe, k2moe (default: tiny,moe; +k2moe on cuda)"
+    )
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: GPU rows only")
     ap.add_argument("--skip-torch-bf16", action="store_true", help="skip row (1)'s torch.optim.Muon anchor")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -226,15 +256,41 @@ def main() -> None:
         nmat = sum(n for n, _, _ in shapes)
         t_ours, t_auto, t_ref = muon_step_case(shapes, args.repeats, args.skip_torch_bf16)
         auto_dt = str(default_ns_dtype(torch.device("cpu"), "auto")).replace("torch.", "")
-        rows.append((case, f"(1) Muon step, {nmat} matrices, default (fp32 NS)", "torch.optim.Muon (bf16 NS)",
-                     t_ours, t_ref, 0.10))
-        rows.append((case, f"(1a) Muon step, ns_dtype='auto' ({auto_dt} NS)", "torch.optim.Muon (bf16 NS)",
-                     t_auto, t_ref, 0.10))
+        rows.append(
+            (
+                case,
+                f"(1) Muon step, {nmat} matrices, default (fp32 NS)",
+                "torch.optim.Muon (bf16 NS)",
+                t_ours,
+                t_ref,
+                0.10,
+            )
+        )
+        rows.append(
+            (
+                case,
+                f"(1a) Muon step, ns_dtype='auto' ({auto_dt} NS)",
+                "torch.optim.Muon (bf16 NS)",
+                t_auto,
+                t_ref,
+                0.10,
+            )
+        )
         t_ns, t_plain = ns_case(shapes, args.repeats, "cpu", torch.float32)
-        rows.append((case, f"(2) NS fp32, {ns_label('cpu', torch.float32)}", "plain batched NS fp32", t_ns, t_plain,
-                     0.85))
+        rows.append(
+            (
+                case,
+                f"(2) NS fp32, {ns_label('cpu', torch.float32)}",
+                "plain batched NS fp32",
+                t_ns,
+                t_plain,
+                0.85,
+            )
+        )
         t_ns, t_plain = ns_case(shapes, args.repeats, "cpu", torch.float32, backend="torch")
-        rows.append((case, "(2a) NS fp32, k2_optim PyTorch path", "plain batched NS fp32", t_ns, t_plain, 0.85))
+        rows.append(
+            (case, "(2a) NS fp32, k2_optim PyTorch path", "plain batched NS fp32", t_ns, t_plain, 0.85)
+        )
         t_ns, t_plain = ns_case(shapes, args.repeats, "cpu", torch.bfloat16)
         rows.append((case, "(2b) NS bf16, batched", "plain batched NS bf16", t_ns, t_plain, 0.85))
     print_rows(rows)

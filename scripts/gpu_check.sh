@@ -124,8 +124,7 @@ if [ "${#BENCHES[@]}" -eq 0 ]; then record "benchmarks (--device cuda)" skip 0; 
 for b in "${BENCHES[@]}"; do
   left=$(( 460 - ($(date +%s) - START) ))  # keep the whole script under 8 minutes
   if [ "$left" -lt 20 ]; then record "bench $(basename "$b")" skip 0; echo "skipping $b: time budget spent"; continue; fi
-  # -P: do not put benchmarks/ first on sys.path (a benchmarks/tokenize.py would shadow the stdlib).
-  run_step "bench $(basename "$b")" "$OUT/bench.log" "$(( left < 150 ? left : 150 ))" "$PY" -P "$b" --device cuda
+  run_step "bench $(basename "$b")" "$OUT/bench.log" "$(( left < 150 ? left : 150 ))" "$PY" "$b" --device cuda
 done
 
 # ---- compute-sanitizer (out-of-bounds accesses, shared-memory races) on the quick self-check ------

@@ -11,12 +11,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_bench(script: str, *args: str) -> str:
+    # no -P: run the way the docstrings say, with benchmarks/ first on sys.path
     res = subprocess.run(
-        [sys.executable, "-P", str(ROOT / "benchmarks" / script), *args],
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout
+
+
+def test_no_benchmark_script_shadows_a_stdlib_module():
+    # `python benchmarks/x.py` puts benchmarks/ first on sys.path, so a script named like a standard
+    # library module (say `tokenize`) would be imported in its place by torch, datasets and the like.
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+    assert scripts and not scripts & sys.stdlib_module_names, sorted(scripts & sys.stdlib_module_names)
 
 
 def test_attention_benchmark_prints_its_table():

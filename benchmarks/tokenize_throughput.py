@@ -11,27 +11,20 @@ measured in one run; every method must produce the same number of tokens. Anchor
   hf-same-engine datasets.map calling the tiktoken engine k2 uses (isolates the engine's share)
 
 Needs the `bench` extra (`pip install datasets transformers`). Run:
-  .venv/bin/python benchmarks/tokenize.py [--workers 2] [--repeat 2]
+  .venv/bin/python benchmarks/tokenize_throughput.py [--workers 2] [--repeat 2]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
-import sys
-
-# This file is named tokenize.py (as the issue asks); run as a script its directory would come
-# first on sys.path and shadow the standard library's `tokenize`, which pandas/datasets import.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import resource  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import platform
+import resource
+import shutil
+import tempfile
+import time
+from pathlib import Path
 
 
 def _cpu_s() -> float:
@@ -57,7 +50,9 @@ def _measure(methods: dict, repeat: int) -> dict[str, tuple[float, float, int]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
     parser.add_argument("--repeat", type=int, default=2)
     args = parser.parse_args()
@@ -84,7 +79,9 @@ def main() -> int:
 
         def ours() -> int:
             out = work / f"ours{next(counter)}"
-            m = tokenize_corpus([jsonl], out, config=TokenizeConfig(workers=args.workers, shard_bytes=2 << 20))
+            m = tokenize_corpus(
+                [jsonl], out, config=TokenizeConfig(workers=args.workers, shard_bytes=2 << 20)
+            )
             return m["num_tokens"]
 
         def hf(fn, num_proc=None) -> int:
@@ -118,13 +115,17 @@ def main() -> int:
     if len(tokens) != 1:
         raise AssertionError(f"methods disagree on the token count: {results}")
     ours_wall, ours_cpu, n_tokens = results["k2 data tokenize"]
-    print(f"input: {len(files)} stdlib files, {mb:.1f} MiB JSONL, {n_tokens:,} tokens; "
-          f"workers={args.workers}, best of {args.repeat} (interleaved); "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load avg {os.getloadavg()[0]:.1f}")
+    print(
+        f"input: {len(files)} stdlib files, {mb:.1f} MiB JSONL, {n_tokens:,} tokens; "
+        f"workers={args.workers}, best of {args.repeat} (interleaved); "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load avg {os.getloadavg()[0]:.1f}"
+    )
     print("| method | wall s | tokens/s | k2 speed-up (wall) | CPU s | k2 speed-up (CPU) |")
     print("|---|---|---|---|---|---|")
     for name, (wall, cpu, n) in results.items():
-        print(f"| {name} | {wall:.2f} | {n / wall:,.0f} | {wall / ours_wall:.2f}x | {cpu:.2f} | {cpu / ours_cpu:.2f}x |")
+        print(
+            f"| {name} | {wall:.2f} | {n / wall:,.0f} | {wall / ours_wall:.2f}x | {cpu:.2f} | {cpu / ours_cpu:.2f}x |"
+        )
     return 0
 
 
