@@ -24,7 +24,11 @@ TARGET_KEYS = ("shift_labels",)
 
 
 class Loss(Protocol):
-    """What `Trainer.train_step` needs from a loss."""
+    """What `Trainer.train_step` needs from a loss.
+
+    Several terms: `weight` and `__call__` return dicts keyed by term name (e.g. {"rl": ...,
+    "ptx": ...}); each term is normalised by its own weight over the whole step, and the terms
+    are added with the loss's optional `coefficients` dict (default 1 each)."""
 
     def weight(self, batch: dict[str, Tensor]) -> float:
         """How many items (tokens, prompts...) this micro-batch adds to the step's normaliser."""

@@ -70,6 +70,11 @@ class FitResult:
     history: list[StepMetrics] = field(default_factory=list)
 
 
+def as_terms(value: Any) -> dict[str, Any]:
+    """A loss's value or weight as named terms: a plain one is the single term "loss"."""
+    return dict(value) if isinstance(value, dict) else {"loss": value}
+
+
 def expert_maxvio(load_LE: Tensor) -> float:
     """MaxVio (Wang et al., aux-loss-free balancing): mean over layers of (max load / mean load) - 1."""
     if load_LE.numel() == 0:
@@ -130,20 +135,34 @@ class Trainer:
         model, info = self.model, self.info
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         micro = self._micro_batches(batch)
-        weights = [self.loss.weight(mb) for mb in micro]
-        total_weight = dd.all_reduce_scalar(sum(weights), "sum", info, self.device)
-        if total_weight <= 0:
+        # A loss is one term (a sum and its weight) or several named ones, each normalised by its
+        # own weight over the whole step, then combined with the loss's coefficients (e.g. RL +
+        # a PTX next-token term).
+        weights = [as_terms(self.loss.weight(mb)) for mb in micro]
+        names = list(weights[0])
+        coefs = getattr(self.loss, "coefficients", None) or {}
+        totals = {
+            n: dd.all_reduce_scalar(sum(w.get(n, 0.0) for w in weights), "sum", info, self.device)
+            for n in names
+        }
+        if all(t <= 0 for t in totals.values()):
             raise ValueError(
                 f"step {self.step + 1}: the batch has nothing to train on (loss weight 0 on every rank)"
             )
-        scale = info.world_size / total_weight
-        loss_sum = 0.0
+        scales = {n: info.world_size * coefs.get(n, 1.0) / totals[n] if totals[n] > 0 else 0.0 for n in names}
+        sums = dict.fromkeys(names, 0.0)
         for mb in micro:
             with self.autocast():
-                s = self.loss(model, mb)
-            (s * scale).backward()
-            loss_sum += float(s.detach())
-        loss = dd.all_reduce_scalar(loss_sum, "sum", info, self.device) / total_weight
+                terms = as_terms(self.loss(model, mb))
+            sum(terms[n] * scales[n] for n in names).backward()
+            for n in names:
+                sums[n] += float(terms[n].detach())
+        term_loss = {
+            n: dd.all_reduce_scalar(sums[n], "sum", info, self.device) / totals[n] if totals[n] > 0 else 0.0
+            for n in names
+        }
+        loss = sum(coefs.get(n, 1.0) * term_loss[n] for n in names)
+        total_weight = totals[names[0]]
         max_logit = None
         if hasattr(model, "attention_max_logits"):  # before any clip; MuonClip resets the record
             max_logit = dd.all_reduce_scalar(
@@ -186,6 +205,7 @@ class Trainer:
             step_s=dt,
             loader_s=loader_s,
             max_logit_after_clip=after_clip,
+            extra={f"loss/{n}": v for n, v in term_loss.items()} if len(names) > 1 else {},
         )
 
     @torch.no_grad()
@@ -210,16 +230,20 @@ class Trainer:
         rank passes the same batches (each runs the forward; FSDP2 gathers the weights)."""
         was_training = self.model.training
         self.model.eval()
-        total, weight = 0.0, 0.0
+        total: dict[str, float] = {}
+        weight: dict[str, float] = {}
         try:
             for batch in batches:
                 batch = {k: v.to(self.device) for k, v in batch.items()}
                 with self.autocast():
-                    total += float(self.loss(self.model, batch))
-                weight += self.loss.weight(batch)
+                    for n, v in as_terms(self.loss(self.model, batch)).items():
+                        total[n] = total.get(n, 0.0) + float(v)
+                for n, w in as_terms(self.loss.weight(batch)).items():
+                    weight[n] = weight.get(n, 0.0) + w
         finally:
             self.model.train(was_training)
-        return total / max(weight, 1.0)
+        coefs = getattr(self.loss, "coefficients", None) or {}
+        return sum(coefs.get(n, 1.0) * total[n] / max(weight.get(n, 0.0), 1.0) for n in total)
 
     # ------------------------------------------------------------------ the loop
     def fit(
