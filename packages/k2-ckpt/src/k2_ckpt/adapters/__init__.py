@@ -3,6 +3,7 @@
 `vllm` and `sglang` are imported lazily (they are not dependencies of k2-ckpt).
 """
 
+from k2_ckpt.adapters.between_steps import BetweenStepsLoader
 from k2_ckpt.adapters.module import ModuleAdapter, dequantize_fp8_blocks
 
-__all__ = ["ModuleAdapter", "dequantize_fp8_blocks"]
+__all__ = ["BetweenStepsLoader", "ModuleAdapter", "dequantize_fp8_blocks"]
