@@ -1,1 +1,33 @@
-"""Rewards for RL (wired up in this package's __init__ once every module lands)."""
+"""Verifiable rewards for RL: `reward(prompt, response, task) -> float`.
+
+- `math_reward(response, answer)`: the final answer (`\\boxed{}` first) against the reference with
+  math-verify; registered as "math" (reads `task["answer"]`).
+- `code_reward(program, tests, *, timeout_s)`: the program, then the tests (plain asserts), in
+  k2-data's sandbox; 1.0 only when every assert passed (a nonce printed after them proves it).
+- `instruction_reward(response, constraints)`: deterministic checkers with a hack-check;
+  registered as "instruction" (reads `task["constraints"]`).
+- `register_reward(name)` / `get_reward(name)`: the registry users extend; `RewardPool` computes a
+  batch in worker processes with per-item timeouts (math-verify's timeouts need a main thread).
+"""
+
+from k2_rl.rewards.base import BaseReward, Reward, budget_penalty, get_reward, list_rewards, register_reward
+from k2_rl.rewards.code import code_reward
+from k2_rl.rewards.instruction import CHECKERS, hack_check, instruction_reward
+from k2_rl.rewards.math import math_reward
+from k2_rl.rewards.pool import PoolResult, RewardPool
+
+__all__ = [
+    "CHECKERS",
+    "BaseReward",
+    "PoolResult",
+    "Reward",
+    "RewardPool",
+    "budget_penalty",
+    "code_reward",
+    "get_reward",
+    "hack_check",
+    "instruction_reward",
+    "list_rewards",
+    "math_reward",
+    "register_reward",
+]

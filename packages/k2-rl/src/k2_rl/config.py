@@ -1,0 +1,143 @@
+"""`RLConfig`: one dataclass for a `k2 rl` run, loadable from JSON/TOML, overridable by flags.
+
+Names shared with k2-train's configs mean the same (`lr`, `adamw_lr`, `tau` = QK-Clip's
+threshold, `seed`, ...); the K1.5 objective's own tau is `rl_tau`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LOSSES = ("k15", "grpo")
+ROLLOUTS = ("process", "inprocess")
+
+
+@dataclass
+class RLConfig:
+    # policy: start from an SFT run dir or an HF-format dir; None = a random init of `preset`
+    init: str | None = None
+    preset: str = "tiny"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    attention: str = "auto"
+    # tasks: JSONL records {"messages", "answer"}; None = the generated addition task
+    tasks: str | None = None
+    heldout: str | None = None
+    reward: str = "math"  # a k2_rl.rewards registry name
+    # rollouts: prompts x samples per iteration, the response budget, the temperature schedule
+    iterations: int = 20
+    prompts_per_iteration: int = 16
+    samples_per_prompt: int = 8
+    max_response_tokens: int = 64
+    truncation_penalty: float = 0.5  # subtracted from the reward of a response cut at the budget
+    temperature: float = 1.0
+    temperature_end: float = 1.0  # linear decay from `temperature` to this over the run
+    top_p: float = 1.0
+    rollout: str = "process"  # "process": `python -m k2_rl.rollout` synced through k2-ckpt
+    rollout_threads: int = 0
+    reward_workers: int = 2
+    reward_timeout_s: float = 10.0
+    # the objective
+    loss: str = "k15"
+    rl_tau: float = 0.1  # K1.5's tau: the weight of the log-ratio
+    clip_eps: float = 0.2  # grpo only
+    ptx_coef: float = 0.0
+    ptx_data: str | None = None  # chat JSONL for the PTX term (its assistant turns)
+    # optimizer steps on each iteration's rollouts, in micro-batches of whole prompts
+    updates_per_iteration: int = 1
+    micro_prompts: int = 0  # prompts per micro-batch; 0 = all of them
+    optimizer: str = "muonclip"
+    lr: float = 2e-3
+    adamw_lr: float = 5e-4
+    weight_decay: float = 0.0
+    tau: float = 30.0  # QK-Clip
+    grad_clip: float = 1.0
+    bias_update_speed: float = 1e-3
+    # evaluation, state, run
+    eval_every: int = 5  # held-out greedy accuracy every N iterations (and at the last); 0 = never
+    eval_prompts: int = 0  # held-out prompts to evaluate; 0 = all
+    save_every: int = 5  # train state every N iterations (the last / stopped one always)
+    stop_at: int = 0  # stop after this iteration with a saved state, as an interrupt would
+    out: str = "runs/rl"
+    seed: int = 0
+    threads: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+
+    task = "rl"
+
+    def validate(self) -> None:
+        def need(cond: bool, name: str, what: str) -> None:
+            if not cond:
+                raise ValueError(f"rl config: {name}={getattr(self, name)!r}: expected {what}")
+
+        need(self.iterations > 0, "iterations", "> 0")
+        need(self.prompts_per_iteration > 0, "prompts_per_iteration", "> 0")
+        need(
+            self.samples_per_prompt > 1,
+            "samples_per_prompt",
+            "> 1 (the objective compares a prompt's samples)",
+        )
+        need(self.max_response_tokens > 0, "max_response_tokens", "> 0")
+        need(self.truncation_penalty >= 0, "truncation_penalty", ">= 0")
+        need(0 <= self.temperature <= 10 and 0 <= self.temperature_end <= 10, "temperature", "in [0, 10]")
+        need(0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        need(self.rollout in ROLLOUTS, "rollout", " or ".join(ROLLOUTS))
+        need(self.loss in LOSSES, "loss", " or ".join(LOSSES))
+        need(self.rl_tau > 0, "rl_tau", "> 0")
+        need(self.ptx_coef >= 0, "ptx_coef", ">= 0")
+        need(
+            self.ptx_coef == 0 or self.ptx_data is not None, "ptx_data", "a chat JSONL file when ptx_coef > 0"
+        )
+        need(self.updates_per_iteration > 0, "updates_per_iteration", "> 0")
+        need(self.micro_prompts >= 0, "micro_prompts", ">= 0")
+        need(
+            self.micro_prompts == 0 or self.prompts_per_iteration % self.micro_prompts == 0,
+            "micro_prompts",
+            "a divisor of prompts_per_iteration",
+        )
+        need(self.optimizer in ("muonclip", "muon", "adamw"), "optimizer", "muonclip, muon or adamw")
+        need(self.lr > 0, "lr", "> 0")
+        need(self.eval_every >= 0 and self.save_every >= 0 and self.stop_at >= 0, "eval_every", "counts >= 0")
+        need(self.reward_workers > 0, "reward_workers", "> 0")
+
+    # the fields k2-train's builders read
+    @property
+    def steps(self) -> int:
+        return self.iterations * self.updates_per_iteration
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> RLConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(
+                f"{source}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**d)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> RLConfig:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"rl config file {p} not found")
+        text = p.read_text()
+        try:
+            if p.suffix == ".toml":
+                import tomllib
+
+                d = tomllib.loads(text)
+            else:
+                d = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{p}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from e
+        return cls.from_dict(d.get("rl", d), source=str(p))
+
+
+__all__ = ["LOSSES", "RLConfig"]

@@ -1,0 +1,590 @@
+"""The RL loop: rollouts, verifiable rewards, the K1.5 objective through k2-train's step, and the
+new weights pushed into the rollout engine through k2-ckpt, every iteration, as K2 does.
+
+Legend: P prompts per iteration, K samples per prompt, N = P * K responses, L padded length.
+
+Each iteration:
+1. P task prompts, drawn without replacement by a generator seeded with (seed, iteration), are
+   rendered in the Kimi chat format and sent to the rollout engine, which samples K responses
+   each at the iteration's temperature, at most `max_response_tokens` tokens (the budget), with
+   per-request seeds derived from (seed, iteration, prompt, sample).
+2. Rewards are computed in worker processes (`RewardPool`: math-verify's signal-based timeouts
+   only work on a process's main thread); a response cut at the budget gets
+   `truncation_penalty` subtracted.
+3. `logp_old`: the trainer's own forward (no grad) on the sampled tokens, before the first update
+   (the engine's sampling log-probs are only logged: `logp_mismatch`).
+4. `updates_per_iteration` Trainer steps on the batch with the K1.5 loss (or the GRPO-style one),
+   micro-batches holding whole prompts; MuonClip clips as in pretraining.
+5. The policy's state dict is registered with a k2-ckpt `ParameterServer` and pushed to the
+   rollout worker's receiver (`update`), which loads it between two engine steps.
+6. Every `eval_every` iterations: greedy accuracy on the held-out prompts.
+
+The run's state (policy, optimizer, scheduler, RNG, trainer step, iteration) is a k2-train
+`TrainState`, saved atomically; `resume=True` continues exactly (prompts and sampling seeds are
+functions of the iteration, and the restarted worker first gets the saved policy). A rollout
+worker that dies is restarted and re-synced once per iteration, then reported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k2_rl.config import RLConfig
+from k2_rl.loss import GRPOClippedLoss, KimiK15Loss, sequence_logprobs, token_logprobs
+from k2_rl.rollout import Rollout, RolloutWorker, Sample, derive_seed
+
+METRICS = "metrics.jsonl"
+CONFIG = "config.json"
+
+
+@dataclass
+class RLResult:
+    run_dir: Path
+    iterations_done: int
+    steps: int
+    reward_mean: float
+    heldout_accuracy: float | None
+    interrupted: bool
+    plots: list[Path] = field(default_factory=list)
+
+
+class _IterationState:
+    """The loop's own train-state component: how many iterations are done."""
+
+    def __init__(self) -> None:
+        self.iteration = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"iteration": self.iteration}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.iteration = int(sd["iteration"])
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def temperature_at(cfg: RLConfig, iteration: int) -> float:
+    """Linear decay from `temperature` to `temperature_end` over the run (K2's temperature decay)."""
+    if cfg.iterations <= 1:
+        return cfg.temperature
+    frac = iteration / (cfg.iterations - 1)
+    return cfg.temperature + (cfg.temperature_end - cfg.temperature) * frac
+
+
+def draw_prompts(tasks: Sequence[dict], n: int, seed: int, iteration: int) -> list[dict]:
+    rng = random.Random(derive_seed(seed, "prompts", iteration))
+    return rng.sample(list(tasks), min(n, len(tasks)))
+
+
+def build_batch(
+    prompt_ids: Sequence[Sequence[int]],
+    samples: Sequence[Sequence[Sample]],
+    rewards: Sequence[float],
+    pad_id: int,
+) -> dict[str, torch.Tensor]:
+    """One row per response: prompt + response tokens (right-padded), `shift_labels` on the
+    response's tokens only, `group_ids` (the prompt's index), `rewards`."""
+    rows = [
+        (p, list(prompt_ids[p]) + list(s.token_ids), len(prompt_ids[p]))
+        for p, group in enumerate(samples)
+        for s in group
+    ]
+    L = max(len(ids) for _, ids, _ in rows)
+    input_ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), L), -100, dtype=torch.long)
+    for r, (_, ids, n_prompt) in enumerate(rows):
+        t = torch.tensor(ids, dtype=torch.long)
+        input_ids[r, : len(ids)] = t
+        labels[r, n_prompt - 1 : len(ids) - 1] = t[n_prompt:]  # position t predicts token t + 1
+    return {
+        "input_ids": input_ids,
+        "shift_labels": labels,
+        "group_ids": torch.tensor([p for p, _, _ in rows], dtype=torch.long),
+        "rewards": torch.tensor(list(rewards), dtype=torch.float32),
+    }
+
+
+@torch.no_grad()
+def policy_logprobs(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], rows_per_chunk: int, per_token: bool = False
+) -> torch.Tensor:
+    """Sequence (or per-token) log-probs of the batch's responses under `model`, in eval mode (no
+    max-logit record, no expert-load counts), in chunks of rows."""
+    was = model.training
+    model.eval()
+    try:
+        parts = []
+        for i in range(0, batch["input_ids"].shape[0], rows_per_chunk):
+            chunk = {k: v[i : i + rows_per_chunk] for k, v in batch.items()}
+            parts.append(token_logprobs(model, chunk) if per_token else sequence_logprobs(model, chunk))
+        return torch.cat(parts)
+    finally:
+        model.train(was)
+
+
+def load_tokenizer_for(init: str | None):
+    """The tokenizer the policy was trained with: an HF dir's own, a k2 run's `tokenizer/`, else k2-data's."""
+    from k2_data import load_tokenizer
+
+    if init:
+        d = Path(init)
+        for cand in (d, d / "tokenizer"):
+            if (cand / "tokenizer.json").is_file() or (cand / "tiktoken.model").is_file():
+                return load_tokenizer(cand)
+    return load_tokenizer()
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def run_rl(
+    cfg: RLConfig,
+    resume: bool = False,
+    log: Callable[[str], None] | None = None,
+    on_iteration: Callable[[dict], None] | None = None,
+) -> RLResult:
+    """Run (or continue, with `resume=True`) the RL loop in `cfg.out`; see the module docstring."""
+    cfg.validate()
+    log = log or print
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    return _Loop(cfg, resume, log, on_iteration).run()
+
+
+class _Loop:
+    def __init__(
+        self,
+        cfg: RLConfig,
+        resume: bool,
+        log: Callable[[str], None],
+        on_iteration: Callable[[dict], None] | None,
+    ) -> None:
+        self.cfg, self.resume, self.log, self.on_iteration = cfg, resume, log, on_iteration
+        self.run_dir = Path(cfg.out)
+        self.interrupted = False
+
+    # -------------------------------------------------------------- setup
+    def _setup(self) -> None:
+        from k2_train.builders import build_model, build_optimizer
+        from k2_train.metrics import JSONLMetrics
+        from k2_train.state import ModelState, OptimizerState, RNGState, TrainState, latest_state
+        from k2_train.trainer import Trainer, TrainerConfig
+
+        from k2_rl.tasks import read_tasks, write_addition_dataset
+
+        cfg, run_dir = self.cfg, self.run_dir
+        if self.resume and latest_state(run_dir) is None:
+            raise FileNotFoundError(f"--resume {run_dir}: no complete train state under {run_dir / 'state'}")
+        if not self.resume and latest_state(run_dir) is not None:
+            raise FileExistsError(
+                f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick a new --out"
+            )
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / f".{CONFIG}.tmp"
+        tmp.write_text(json.dumps(dict(cfg.to_dict(), task="rl"), indent=2))
+        os.replace(tmp, run_dir / CONFIG)
+
+        # tasks
+        if cfg.tasks is None:
+            data = run_dir / "data"
+            if not (data / "rl.jsonl").is_file():
+                write_addition_dataset(data, seed=0)
+            self.tasks = read_tasks(data / "rl.jsonl")
+            self.heldout = read_tasks(Path(cfg.heldout) if cfg.heldout else data / "heldout.jsonl")
+        else:
+            self.tasks = read_tasks(cfg.tasks)
+            self.heldout = read_tasks(cfg.heldout) if cfg.heldout else []
+        if cfg.eval_prompts:
+            self.heldout = self.heldout[: cfg.eval_prompts]
+
+        # policy, optimizer, loss, trainer
+        from k2_data.chat import render_ids
+
+        self.tok = load_tokenizer_for(cfg.init)
+        self.render = lambda messages: render_ids(self.tok, messages, add_generation_prompt=True)
+        self.pad_id = int(
+            self.tok.pad_id if getattr(self.tok, "pad_id", None) is not None else self.tok.eos_id
+        )
+        self.device = torch.device(
+            "cuda"
+            if cfg.device == "auto" and torch.cuda.is_available()
+            else ("cpu" if cfg.device == "auto" else cfg.device)
+        )
+        self.model = build_model(
+            cfg, self.tok.vocab_size, self.device
+        )  # seeded init, then cfg.init's weights
+        self.model.train()
+        self.optimizer = build_optimizer(cfg, self.model)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _s: 1.0)
+        self.loss = (
+            KimiK15Loss(cfg.rl_tau, cfg.ptx_coef) if cfg.loss == "k15" else GRPOClippedLoss(cfg.clip_eps)
+        )
+        K = cfg.samples_per_prompt
+        self.rows_per_micro = (cfg.micro_prompts or cfg.prompts_per_iteration) * K
+        self.metrics = JSONLMetrics(run_dir / METRICS)
+        self.trainer = Trainer(
+            self.model,
+            self.optimizer,
+            self.loss,
+            self.scheduler,
+            config=TrainerConfig(
+                steps=cfg.steps,
+                micro_batch=self.rows_per_micro,
+                grad_clip=cfg.grad_clip,
+                bias_update_speed=cfg.bias_update_speed,
+            ),
+            device=self.device,
+        )
+        self.it_state = _IterationState()
+        self.state = TrainState(
+            run_dir,
+            {
+                "model": ModelState(self.model),
+                "optimizer": OptimizerState(self.model, self.optimizer),
+                "scheduler": self.scheduler,
+                "rng": RNGState(),
+                "trainer": self.trainer,
+                "rl": self.it_state,
+            },
+            meta={"config": cfg.to_dict(), "task": "rl", "model_config": self.model.config.to_hf()},
+        )
+        if self.resume:
+            self.state.load()
+        if not (run_dir / "tokenizer").exists():
+            self.tok.save(run_dir / "tokenizer")
+        self.metrics.on_fit_start(self.trainer)  # on resume: drop rows after the saved step
+        self.ptx = self._ptx_rows() if cfg.ptx_coef else None
+
+    def _ptx_rows(self) -> list[tuple[list[int], list[int]]]:
+        """(ids, mask) of the PTX set's conversations (the loss on their assistant turns)."""
+        from k2_data.chat import render_ids_with_mask
+
+        rows = []
+        for i, line in enumerate(Path(self.cfg.ptx_data).read_text().splitlines(), 1):
+            if line.strip():
+                rec = json.loads(line)
+                if "messages" not in rec:
+                    raise ValueError(f"{self.cfg.ptx_data}:{i}: no field 'messages'")
+                rows.append(render_ids_with_mask(self.tok, rec["messages"], rec.get("tools")))
+        return rows
+
+    def _ptx_batch(self, iteration: int, n: int) -> dict[str, torch.Tensor]:
+        rng = random.Random(derive_seed(self.cfg.seed, "ptx", iteration))
+        picked = [self.ptx[rng.randrange(len(self.ptx))] for _ in range(n)]
+        L = max(len(ids) for ids, _ in picked)
+        ids_t = torch.full((n, L), self.pad_id, dtype=torch.long)
+        lab_t = torch.full((n, L), -100, dtype=torch.long)
+        for r, (ids, mask) in enumerate(picked):
+            t = torch.tensor(ids)
+            ids_t[r, : len(ids)] = t
+            m = torch.tensor(mask[1:], dtype=torch.bool)
+            lab_t[r, : len(ids) - 1] = torch.where(m, t[1:], torch.full_like(t[1:], -100))
+        return {"ptx_input_ids": ids_t, "ptx_shift_labels": lab_t}
+
+    # -------------------------------------------------------------- the rollout engine and sync
+    def _start_rollout(self) -> None:
+        cfg = self.cfg
+        if cfg.rollout == "inprocess":
+            import copy
+
+            engine_model = copy.deepcopy(self.model).eval()
+            self.worker = None
+            self.rollout = Rollout(engine_model, self._stop_ids(), max_batch_size=64, seed=cfg.seed)
+            return
+        init_dir = self.run_dir / "rollout-init"  # the architecture and tokenizer the worker starts from
+        if not (init_dir / "config.json").is_file():
+            tmp = self.run_dir / ".rollout-init.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.model.save_pretrained(str(tmp))
+            self.tok.save(tmp)
+            os.replace(tmp, init_dir)
+        self.worker = RolloutWorker(
+            init_dir,
+            device=str(self.device),
+            threads=cfg.rollout_threads,
+            seed=cfg.seed,
+            log_path=self.run_dir / "rollout.log",
+        )
+        self.rollout = self.worker.start()
+        self.log(f"rollout worker: pid {self.worker.pid} at {self.rollout.url}")
+
+    def _stop_ids(self) -> list[int]:
+        return sorted({self.tok.eos_id, self.tok.token_to_id("<|im_end|>")})
+
+    def _init_ps(self) -> None:
+        self.ps = None
+        self.created_group = False
+        if self.worker is None:
+            return
+        import torch.distributed as dist
+        from k2_ckpt import ParameterServer
+
+        from k2_rl.rollout import free_port
+
+        if not dist.is_initialized():  # a one-rank group for k2-ckpt's broadcast (its collectives)
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+            )
+            self.created_group = True
+        self.ps = ParameterServer()
+
+    def _sync(self, tag: str) -> float:
+        """Push the policy into the rollout engine; returns the seconds it took."""
+        t0 = time.perf_counter()
+        named = {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
+        if self.ps is None:  # in-process engine: copy between two engine steps
+            target = self.rollout.model
+            self.rollout.thread.call_between_steps(lambda: target.load_state_dict(named)).result()
+            return time.perf_counter() - t0
+        name = f"policy-{tag}"
+        self.ps.register_checkpoint(name, named_tensors=named)
+        try:
+            self.ps.update(name, self.rollout.req_func)
+        finally:
+            self.ps.unregister_checkpoint(name)
+        return time.perf_counter() - t0
+
+    def _generate(self, prompts: list[list[int]], **kw: Any) -> list[list[Sample]]:
+        """Generate, restarting a dead worker once (with the current policy) before reporting."""
+        try:
+            return self.rollout.generate(prompts, **kw)
+        except Exception as e:
+            if self.worker is None or self.worker.alive():
+                raise
+            self.log(f"the rollout worker died ({e!r}); restarting it with the current policy")
+            self.rollout = self.worker.restart()
+            self._sync("restart")
+            return self.rollout.generate(prompts, **kw)
+
+    # -------------------------------------------------------------- rewards and evaluation
+    def _rewards(
+        self, prompts: list[dict], samples: list[list[Sample]]
+    ) -> tuple[list[float], list[float], int]:
+        """(rewards with the truncation penalty, raw rewards, errors) in row order."""
+        items, truncated = [], []
+        for task, group in zip(prompts, samples):
+            for s in group:
+                text = self.tok.decode([t for t in s.token_ids if t not in self._stop_set])
+                items.append((task["messages"][-1]["content"], text, {"answer": task["answer"], **task}))
+                truncated.append(s.finish_reason == "length")
+        res = self.pool.compute(self.cfg.reward, items)
+        raw = list(res.rewards)
+        shaped = [r - (self.cfg.truncation_penalty if cut else 0.0) for r, cut in zip(raw, truncated)]
+        return shaped, raw, len(res.failed)
+
+    def _evaluate(self) -> dict[str, float]:
+        prompts = [self.render(t["messages"]) for t in self.heldout]
+        samples = self._generate(
+            prompts, n=1, temperature=0.0, max_tokens=self.cfg.max_response_tokens, seed=0
+        )
+        _, raw, _ = self._rewards(self.heldout, samples)
+        lengths = [len(g[0].token_ids) for g in samples]
+        return {
+            "heldout_accuracy": sum(r >= 1.0 for r in raw) / len(raw),
+            "heldout_response_tokens": statistics.mean(lengths),
+        }
+
+    # -------------------------------------------------------------- the loop
+    def run(self) -> RLResult:
+        from k2_rl.rewards.pool import RewardPool
+
+        self._setup()
+        self._stop_set = set(self._stop_ids())
+        self.pool = RewardPool(
+            self.cfg.reward_workers, timeout_s=self.cfg.reward_timeout_s, preload=(self.cfg.reward,)
+        )
+        self.worker = None
+        try:
+            self._start_rollout()
+            self._init_ps()
+            sync_s = self._sync(f"start-{self.it_state.iteration}")
+            self.log(f"policy synced into the rollout engine in {sync_s:.2f} s")
+            with self._sigint_finishes_iteration():
+                self._iterate()
+        finally:
+            self.metrics.on_fit_end(self.trainer, None)
+            self.pool.close()
+            if self.worker is not None:
+                self.worker.close()
+            elif hasattr(self, "rollout"):
+                self.rollout.close()
+            if getattr(self, "ps", None) is not None:
+                self.ps.close()
+            if getattr(self, "created_group", False):
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
+        return self._result()
+
+    def _iterate(self) -> None:
+        cfg, K = self.cfg, self.cfg.samples_per_prompt
+        if (
+            self.it_state.iteration == 0
+            and cfg.eval_every
+            and self.heldout
+            and not self._logged_initial_eval()
+        ):
+            row = {"iteration": 0, "step": self.trainer.step, **self._evaluate()}
+            self._write(row)
+        while self.it_state.iteration < cfg.iterations and not self.interrupted:
+            it = self.it_state.iteration
+            t_it = time.perf_counter()
+            temperature = temperature_at(cfg, it)
+            tasks = draw_prompts(self.tasks, cfg.prompts_per_iteration, cfg.seed, it)
+            prompt_ids = [self.render(t["messages"]) for t in tasks]
+            t0 = time.perf_counter()
+            samples = self._generate(
+                prompt_ids,
+                n=K,
+                temperature=temperature,
+                top_p=cfg.top_p,
+                max_tokens=cfg.max_response_tokens,
+                seed=derive_seed(cfg.seed, "rollout", it),
+            )
+            rollout_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            rewards, raw, reward_errors = self._rewards(tasks, samples)
+            reward_s = time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            batch = build_batch(prompt_ids, samples, rewards, self.pad_id)
+            chunk = self.rows_per_micro
+            batch["logp_old"] = policy_logprobs(self.model, batch, chunk)
+            if cfg.loss == "grpo":
+                batch["logp_old_tok"] = policy_logprobs(self.model, batch, chunk, per_token=True)
+            engine_logp = torch.tensor([sum(s.logprobs) for g in samples for s in g])
+            n_tok = (batch["shift_labels"] != -100).sum(dim=1).float()
+            step_rows = []
+            for u in range(cfg.updates_per_iteration):
+                train_batch = dict(batch)
+                if self.ptx is not None:
+                    train_batch.update(
+                        self._ptx_batch(it * cfg.updates_per_iteration + u, batch["input_ids"].shape[0])
+                    )
+                m = self.trainer.train_step(train_batch)
+                row = m.row()
+                row["iteration"] = it + 1
+                self._write(row)
+                step_rows.append(row)
+            logp_new = policy_logprobs(self.model, batch, chunk)
+            train_s = time.perf_counter() - t0
+
+            sync_s = self._sync(str(it + 1))
+            self.it_state.iteration = it + 1
+            lengths = [len(s.token_ids) for g in samples for s in g]
+            row = {
+                "iteration": it + 1,
+                "step": self.trainer.step,
+                "reward_mean": statistics.mean(rewards),
+                "reward_std": statistics.pstdev(rewards),
+                "solve_rate": sum(r >= 1.0 for r in raw) / len(raw),
+                "response_tokens_mean": statistics.mean(lengths),
+                "truncation_rate": sum(s.finish_reason == "length" for g in samples for s in g)
+                / len(lengths),
+                # KL(pi_old || pi_theta) per token, estimated on pi_old's own samples (k1)
+                "kl_estimate": float((batch["logp_old"] - logp_new).sum() / n_tok.sum()),
+                # how far the engine's sampling log-probs are from the trainer's (per token)
+                "logp_mismatch": float((engine_logp - batch["logp_old"]).abs().sum() / n_tok.sum()),
+                "temperature": temperature,
+                "max_logit": max(
+                    (r["max_logit"] for r in step_rows if r.get("max_logit") is not None), default=None
+                ),
+                "clipped_heads": sum(r["clipped_heads"] for r in step_rows),
+                "loss": step_rows[-1]["loss"],
+                "reward_errors": reward_errors,
+                "rollout_s": rollout_s,
+                "reward_s": reward_s,
+                "train_s": train_s,
+                "sync_s": sync_s,
+            }
+            done = it + 1
+            if cfg.eval_every and self.heldout and (done % cfg.eval_every == 0 or done == cfg.iterations):
+                row.update(self._evaluate())
+            row["iteration_s"] = time.perf_counter() - t_it
+            self._write(row)
+            if self.on_iteration is not None:
+                self.on_iteration(row)
+            stop_here = bool(cfg.stop_at) and done == cfg.stop_at
+            due = bool(cfg.save_every) and done % cfg.save_every == 0
+            if due or done == cfg.iterations or stop_here or self.interrupted:
+                self.state.save(self.trainer.step)
+            if stop_here:
+                self.interrupted = True
+
+    def _logged_initial_eval(self) -> bool:
+        path = self.run_dir / METRICS
+        if not path.is_file():
+            return False
+        return any(
+            json.loads(line).get("iteration") == 0 for line in path.read_text().splitlines() if line.strip()
+        )
+
+    def _write(self, row: dict) -> None:
+        row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        assert self.metrics._f is not None
+        self.metrics._f.write(json.dumps(row) + "\n")
+        self.metrics._f.flush()
+
+    def _sigint_finishes_iteration(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+
+            def handler(signum, frame):
+                if self.interrupted:
+                    raise KeyboardInterrupt
+                self.interrupted = True
+                self.log(
+                    "interrupt: finishing this iteration, then saving the train state (Ctrl-C again to abort)"
+                )
+
+            previous = signal.signal(signal.SIGINT, handler)
+            try:
+                yield
+            finally:
+                signal.signal(signal.SIGINT, previous)
+
+        return ctx()
+
+    def _result(self) -> RLResult:
+        from k2_train.metrics import read_metrics
+
+        rows = read_metrics(self.run_dir / METRICS) if (self.run_dir / METRICS).is_file() else []
+        its = [r for r in rows if "reward_mean" in r]
+        accs = [r["heldout_accuracy"] for r in rows if r.get("heldout_accuracy") is not None]
+        plots: list[Path] = []
+        if its:
+            from k2_rl.plots import plot_rl
+
+            plots = plot_rl(rows, self.run_dir / "plots")
+        return RLResult(
+            run_dir=self.run_dir,
+            iterations_done=self.it_state.iteration,
+            steps=self.trainer.step,
+            reward_mean=its[-1]["reward_mean"] if its else float("nan"),
+            heldout_accuracy=accs[-1] if accs else None,
+            interrupted=self.it_state.iteration < self.cfg.iterations,
+            plots=plots,
+        )
+
+
+__all__ = ["RLResult", "build_batch", "draw_prompts", "policy_logprobs", "run_rl", "temperature_at"]

@@ -1,0 +1,345 @@
+"""The rollout side of the RL loop: k2-model's engine sampling K responses per prompt, with new
+weights arriving through k2-ckpt.
+
+* `Rollout`: an Engine driven by an EngineThread in this process. `generate(prompts, n, ...)`
+  queues n seeded requests per prompt (the engine batches them all; seeds are derived from the
+  call's seed, the prompt's index and the sample's index, so a call's samples are the same
+  whatever else runs and whatever the order of completion). Per-token log-probs under the raw
+  model distribution come back with the tokens (logged against the trainer's own log-probs).
+* `make_app(rollout)`: the worker's HTTP API (FastAPI): `GET /health`, `POST /generate`, and
+  k2-ckpt's receiver mounted at `/ckpt`, whose loads run between two engine steps
+  (`k2_ckpt.adapters.BetweenStepsLoader`).
+* `python -m k2_rl.rollout --model DIR --port P`: the worker process the loop starts by default.
+* `RolloutClient(url)`: the trainer's side of that API; `RolloutWorker`: starts, watches and
+  restarts the worker process (a worker that died is restarted or reported, never waited on
+  forever).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]  # raw-distribution log-prob of each sampled token (the engine's)
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 62-bit seed from any parts (stable across processes and Python versions)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
+
+
+class Rollout:
+    """An engine in this process (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: Any,
+        eos_token_ids: Sequence[int],
+        max_batch_size: int = 64,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        from k2_model.engine import Engine
+        from k2_model.engine.thread import EngineThread
+
+        self.model = model.eval()
+        self.engine = Engine(
+            model,
+            max_batch_size=max_batch_size,
+            max_model_len=max_model_len,
+            eos_token_ids=list(eos_token_ids),
+            seed=seed,
+        )
+        self.thread = EngineThread(self.engine)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_tokens: int = 64,
+        seed: int = 0,
+    ) -> list[list[Sample]]:
+        from k2_model.engine import SamplingParams
+
+        if n < 1:
+            raise ValueError(f"generate: n must be >= 1, got {n}")
+        pending = []
+        for p, prompt in enumerate(prompts):
+            for i in range(n):
+                params = SamplingParams(
+                    max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=derive_seed(seed, p, i)
+                )
+                pending.append(self.thread.submit(prompt, params))
+        out: list[list[Sample]] = [[] for _ in prompts]
+        for k, (_, q) in enumerate(pending):
+            while True:
+                item = q.get(timeout=3600)
+                if isinstance(item, BaseException):
+                    raise RuntimeError(f"rollout engine failed: {item!r}") from item
+                if item.finished:
+                    c = item.completion
+                    out[k // n].append(Sample(list(c.token_ids), list(c.logprobs), c.finish_reason or "stop"))
+                    break
+        return out
+
+    def loader(self):
+        from k2_ckpt.adapters import BetweenStepsLoader
+
+        return BetweenStepsLoader(self.model, self.thread.call_between_steps)
+
+    def close(self) -> None:
+        self.thread.close()
+
+
+# ----------------------------------------------------------------------------- the worker's API
+
+
+class GenerateRequest(BaseModel):
+    prompts: list[list[int]] = Field(min_length=1)
+    n: int = Field(default=1, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(default=64, ge=1)
+    seed: int = 0
+
+
+def make_app(rollout: Rollout, rank: int = 0):
+    from fastapi import FastAPI
+    from k2_ckpt.api import make_receiver_app
+    from k2_ckpt.device import device_id
+
+    app = FastAPI(title="k2-rl rollout worker")
+    did = device_id(rollout.model.lm_head.weight.device, rank)
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok", "pid": os.getpid(), "device_id": did}
+
+    @app.post("/generate")
+    def generate(req: GenerateRequest) -> dict:
+        t0 = time.perf_counter()
+        samples = rollout.generate(req.prompts, req.n, req.temperature, req.top_p, req.max_tokens, req.seed)
+        return {
+            "samples": [[asdict(s) for s in group] for group in samples],
+            "seconds": time.perf_counter() - t0,
+        }
+
+    app.mount("/ckpt", make_receiver_app(rollout.loader(), did))
+    return app
+
+
+def load_for_rollout(model_dir: str | Path, device: str = "cpu") -> tuple[Any, list[int]]:
+    """The model of an HF-format dir (fp32 on CPU) and the stop ids of its tokenizer (EOS, <|im_end|>)."""
+    from k2_data import load_tokenizer
+    from k2_model import K2ForCausalLM
+
+    d = Path(model_dir)
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"--model {d}: no config.json (an HF-format dir, e.g. from `k2 export`)")
+    dtype = torch.float32 if torch.device(device).type == "cpu" else None
+    model = K2ForCausalLM.from_pretrained(str(d), dtype=dtype, device=device)
+    has_tok = (d / "tokenizer.json").is_file() or (d / "tiktoken.model").is_file()
+    tok = load_tokenizer(d if has_tok else None)
+    return model, sorted({tok.eos_id, tok.token_to_id("<|im_end|>")})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m k2_rl.rollout",
+        description="k2-rl's rollout worker: "
+        "k2-model's engine behind /generate, k2-ckpt's receiver at /ckpt.",
+    )
+    ap.add_argument("--model", required=True, help="HF-format model dir (the initial weights)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    import uvicorn
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, stop_ids = load_for_rollout(args.model, args.device)
+    rollout = Rollout(model, stop_ids, args.max_batch_size, args.max_model_len, args.seed)
+    try:
+        uvicorn.run(make_app(rollout), host=args.host, port=args.port, log_level="warning")
+    finally:
+        rollout.close()
+    return 0
+
+
+# ----------------------------------------------------------------------------- the trainer's side
+
+
+class RolloutClient:
+    """The trainer's view of a rollout worker's HTTP API."""
+
+    def __init__(self, url: str, timeout_s: float = 3600.0) -> None:
+        import httpx
+
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(timeout=timeout_s)
+
+    def health(self) -> dict:
+        r = self.http.get(self.url + "/health", timeout=5)
+        r.raise_for_status()
+        return r.json()
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_tokens: int = 64,
+        seed: int = 0,
+    ) -> list[list[Sample]]:
+        body = {
+            "prompts": [list(map(int, p)) for p in prompts],
+            "n": n,
+            "temperature": temperature,
+            "top_p": top_p,
+            "max_tokens": max_tokens,
+            "seed": seed,
+        }
+        r = self.http.post(self.url + "/generate", json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"rollout worker {self.url}/generate: HTTP {r.status_code}: {r.text[:500]}")
+        return [[Sample(**s) for s in group] for group in r.json()["samples"]]
+
+    def req_func(self, zmq_handles: dict[str, str]) -> None:
+        """k2-ckpt's `req_func`: make the worker's receiver pull the update."""
+        r = self.http.post(self.url + "/ckpt/v1/update_weights_from_ipc", json={"zmq_handles": zmq_handles})
+        r.raise_for_status()
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RolloutWorker:
+    """`python -m k2_rl.rollout` in a child process on a free loopback port."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str = "cpu",
+        threads: int = 0,
+        seed: int = 0,
+        log_path: str | Path | None = None,
+        start_timeout_s: float = 300.0,
+    ) -> None:
+        self.model_dir, self.device, self.threads, self.seed = str(model_dir), device, threads, seed
+        self.log_path = Path(log_path) if log_path else None
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.client: RolloutClient | None = None
+        self.restarts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def start(self) -> RolloutClient:
+        port = free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "k2_rl.rollout",
+            "--model",
+            self.model_dir,
+            "--port",
+            str(port),
+            "--device",
+            self.device,
+            "--seed",
+            str(self.seed),
+        ]
+        if self.threads:
+            cmd += ["--threads", str(self.threads)]
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT if self.log_path else subprocess.PIPE
+            )
+        finally:
+            if self.log_path:
+                log.close()
+        self.client = RolloutClient(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"the rollout worker exited with code {self.proc.returncode} while starting"
+                    + (f"; see {self.log_path}" if self.log_path else "")
+                )
+            try:
+                self.client.health()
+                return self.client
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(0.2)
+        self.close()
+        raise TimeoutError(f"the rollout worker did not answer /health within {self.start_timeout_s:.0f} s")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def restart(self) -> RolloutClient:
+        self.close()
+        self.restarts += 1
+        return self.start()
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+__all__ = [
+    "Rollout",
+    "RolloutClient",
+    "RolloutWorker",
+    "Sample",
+    "derive_seed",
+    "load_for_rollout",
+    "make_app",
+]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The RL loop: batches, the rollout worker in its own process fed through k2-ckpt, metrics,
+and an interrupted run that resumes to the same rewards and losses."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from k2_rl.config import RLConfig
+from k2_rl.loop import build_batch, draw_prompts, run_rl, temperature_at
+from k2_rl.rollout import Sample
+
+SMALL = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+}
+
+
+def test_build_batch_labels_only_the_response():
+    prompts = [[5, 6, 7], [8, 9]]
+    samples = [
+        [Sample([11, 12], [-1.0, -1.0], "stop"), Sample([13], [-1.0], "length")],
+        [Sample([14, 15, 16], [-1.0] * 3, "stop"), Sample([17], [-1.0], "stop")],
+    ]
+    b = build_batch(prompts, samples, [1.0, 0.0, 0.5, 0.25], pad_id=0)
+    assert b["input_ids"].tolist() == [
+        [5, 6, 7, 11, 12],
+        [5, 6, 7, 13, 0],
+        [8, 9, 14, 15, 16],
+        [8, 9, 17, 0, 0],
+    ]
+    # position t predicts token t + 1: only the response tokens are targets
+    assert b["shift_labels"].tolist() == [
+        [-100, -100, 11, 12, -100],
+        [-100, -100, 13, -100, -100],
+        [-100, 14, 15, 16, -100],
+        [-100, 17, -100, -100, -100],
+    ]
+    assert b["group_ids"].tolist() == [0, 0, 1, 1]
+    assert b["rewards"].tolist() == [1.0, 0.0, 0.5, 0.25]
+
+
+def test_temperature_decay_and_prompt_draws_are_functions_of_the_iteration():
+    cfg = RLConfig(iterations=5, temperature=1.0, temperature_end=0.6)
+    assert [round(temperature_at(cfg, i), 6) for i in range(5)] == [1.0, 0.9, 0.8, 0.7, 0.6]
+    tasks = [{"messages": [], "answer": str(i)} for i in range(50)]
+    a, b = draw_prompts(tasks, 8, seed=3, iteration=4), draw_prompts(tasks, 8, seed=3, iteration=4)
+    assert a == b and len({t["answer"] for t in a}) == 8
+    assert draw_prompts(tasks, 8, seed=3, iteration=5) != a
+
+
+def test_worker_runs_in_another_process_and_receives_weights_through_parameter_server(tmp_path):
+    """A rollout worker started from weights A, then synced to weights B with
+    ParameterServer.update, generates exactly what B generates in this process."""
+    import torch.distributed as dist
+    from k2_ckpt import ParameterServer
+    from k2_data import load_tokenizer
+    from k2_model import K2Config, K2ForCausalLM
+    from k2_rl.rollout import Rollout, RolloutWorker, free_port
+
+    tok = load_tokenizer()
+    torch.manual_seed(0)
+    a = K2ForCausalLM(K2Config.preset("tiny", **SMALL))
+    a.save_pretrained(str(tmp_path / "a"))
+    tok.save(tmp_path / "a")
+    torch.manual_seed(1)
+    b = K2ForCausalLM(K2Config.preset("tiny", **SMALL)).eval()
+    stop = sorted({tok.eos_id, tok.token_to_id("<|im_end|>")})
+    prompts = [tok.encode("def add(a, b):"), tok.encode("import os")]
+    local = Rollout(b, stop)
+    try:
+        want = local.generate(prompts, n=2, temperature=1.0, max_tokens=6, seed=7)
+    finally:
+        local.close()
+
+    worker = RolloutWorker(tmp_path / "a", threads=1)
+    client = worker.start()
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    ps = ParameterServer()
+    try:
+        assert worker.pid != os.getpid() and client.health()["pid"] == worker.pid
+        before = client.generate(prompts, n=2, temperature=1.0, max_tokens=6, seed=7)
+        ps.register_checkpoint("b", named_tensors={k: v.detach() for k, v in b.state_dict().items()})
+        ps.update("b", client.req_func)
+        after = client.generate(prompts, n=2, temperature=1.0, max_tokens=6, seed=7)
+        assert [[s.token_ids for s in g] for g in after] == [[s.token_ids for s in g] for g in want]
+        assert [[s.token_ids for s in g] for g in before] != [[s.token_ids for s in g] for g in want]
+        for ga, gw in zip(after, want):
+            for sa, sw in zip(ga, gw):
+                assert sa.logprobs == pytest.approx(sw.logprobs, abs=1e-5)
+    finally:
+        ps.close()
+        worker.close()
+        if created:
+            dist.destroy_process_group()
+
+
+def _cfg(tmp_path: Path, name: str, **kw) -> RLConfig:
+    base = dict(
+        model_overrides=SMALL,
+        iterations=4,
+        prompts_per_iteration=4,
+        samples_per_prompt=4,
+        max_response_tokens=8,
+        eval_every=2,
+        eval_prompts=6,
+        save_every=0,
+        micro_prompts=2,
+        updates_per_iteration=2,
+        reward_workers=1,
+        threads=1,
+        rollout_threads=1,
+        lr=1e-2,
+        out=str(tmp_path / name),
+    )
+    base.update(kw)
+    return RLConfig(**base)
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_rl_run_metrics_and_exact_resume(tmp_path):
+    full = run_rl(_cfg(tmp_path, "full"), log=lambda _m: None)
+    assert full.iterations_done == 4 and full.steps == 8 and not full.interrupted
+    rows = _rows(tmp_path / "full")
+    steps = [r for r in rows if "reward_mean" not in r and "loss" in r]
+    its = [r for r in rows if "reward_mean" in r]
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert all(r["max_logit"] is not None and "loss/rl" in r for r in steps)
+    assert [r["iteration"] for r in its] == [1, 2, 3, 4]
+    for r in its:
+        assert -0.5 <= r["reward_mean"] <= 1.0 and 0 <= r["truncation_rate"] <= 1
+        assert r["sync_s"] > 0 and r["rollout_s"] > 0
+    # held-out accuracy before training and at each evaluation
+    assert [r["iteration"] for r in rows if "heldout_accuracy" in r] == [0, 2, 4]
+    assert (tmp_path / "full" / "plots" / "rl.png").stat().st_size > 1000
+
+    part = run_rl(_cfg(tmp_path, "part", stop_at=2), log=lambda _m: None)
+    assert part.iterations_done == 2 and part.interrupted
+    resumed = run_rl(_cfg(tmp_path, "part"), resume=True, log=lambda _m: None)
+    assert resumed.iterations_done == 4
+
+    def key(rs):
+        return [
+            (
+                r.get("iteration"),
+                r.get("step"),
+                r.get("loss"),
+                r.get("reward_mean"),
+                r.get("heldout_accuracy"),
+            )
+            for r in rs
+        ]
+
+    assert key(_rows(tmp_path / "part")) == key(rows)  # the same rewards, losses and accuracies

@@ -1,0 +1,172 @@
+"""`k2 rl`: RL with the K1.5 objective (flags and rendering; the loop is k2_rl.run_rl)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+FLAGS = [
+    (
+        "init",
+        str,
+        "the policy to start from: an SFT run dir or an HF-format dir (None: random init of --preset)",
+    ),
+    ("preset", str, "model preset when there is no --init"),
+    ("tasks", str, "task JSONL ({messages, answer}) (None: the generated addition task)"),
+    ("heldout", str, "held-out task JSONL for the accuracy (None: the generated task's)"),
+    ("reward", str, "reward name (k2_rl.rewards registry)"),
+    ("iterations", int, "RL iterations (rollout, reward, update, sync)"),
+    ("prompts_per_iteration", int, "prompts per iteration"),
+    ("samples_per_prompt", int, "responses sampled per prompt (K)"),
+    ("max_response_tokens", int, "response budget; longer responses are cut and penalised"),
+    ("truncation_penalty", float, "subtracted from a cut response's reward"),
+    ("temperature", float, "rollout temperature at the first iteration"),
+    ("temperature_end", float, "rollout temperature at the last iteration (linear decay)"),
+    ("loss", str, "k15 (Kimi K1.5's objective) or grpo (clipped, for comparison)"),
+    ("rl_tau", float, "K1.5's tau (weight of the log-ratio)"),
+    ("ptx_coef", float, "weight of the PTX next-token term (needs --ptx-data)"),
+    ("ptx_data", str, "chat JSONL for the PTX term"),
+    ("updates_per_iteration", int, "optimizer steps on each iteration's rollouts"),
+    ("micro_prompts", int, "prompts per micro-batch (0 = all)"),
+    ("optimizer", str, "muonclip | muon | adamw"),
+    ("lr", float, "learning rate (Muon's for muon/muonclip)"),
+    ("adamw_lr", float, "AdamW lr of embeddings, head and 1-D params (0 = --lr)"),
+    ("tau", float, "QK-Clip threshold"),
+    ("eval_every", int, "held-out greedy accuracy every N iterations (0 = never)"),
+    ("eval_prompts", int, "held-out prompts to evaluate (0 = all)"),
+    ("save_every", int, "save the train state every N iterations"),
+    ("stop_at", int, "stop after this iteration and save, as an interrupt would"),
+    ("rollout", str, "process (a rollout worker synced through k2-ckpt) or inprocess"),
+    ("reward_workers", int, "reward worker processes"),
+    ("seed", int, "random seed (prompts, sampling, init)"),
+    ("threads", int, "torch threads of the trainer (0 = torch's default)"),
+    ("rollout_threads", int, "torch threads of the rollout worker (0 = torch's default)"),
+    ("device", str, "auto, cpu or cuda"),
+]
+RESUME_MAY_CHANGE = {"threads", "rollout_threads", "stop_at", "device", "reward_workers"}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from k2_rl.config import RLConfig
+
+    d = RLConfig()
+    p = sub.add_parser(
+        "rl",
+        help="RL with the Kimi K1.5 objective on verifiable tasks (rollouts synced through k2-ckpt)",
+        description="Each iteration: sample K responses per prompt with k2-model's engine in a rollout worker, "
+        "score them (math-verify in worker processes), take optimizer steps on the K1.5 objective (MuonClip), "
+        "push the weights into the worker through k2-ckpt. Writes metrics.jsonl, plots/rl.png and the train state.",
+    )
+    p.add_argument("--config", type=Path, help="JSON or TOML file with RLConfig fields (flags override it)")
+    p.add_argument("--out", type=str, help=f"the run directory (default: {d.out})")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue the run in RUN_DIR exactly")
+    for name, typ, help_ in FLAGS:
+        p.add_argument(
+            "--" + name.replace("_", "-"), dest=name, type=typ, help=f"{help_} (default: {getattr(d, name)})"
+        )
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.set_defaults(func=run)
+
+
+def build_config(args: argparse.Namespace):
+    from k2_rl.config import RLConfig
+
+    overrides = {name: getattr(args, name) for name, _, _ in FLAGS if getattr(args, name) is not None}
+    if args.out is not None:
+        overrides["out"] = args.out
+    if args.resume is not None:
+        saved = args.resume / "config.json"
+        if not saved.is_file():
+            raise ValueError(f"--resume {args.resume}: {saved} not found (not a k2 rl run dir)")
+        stored = json.loads(saved.read_text())
+        task = stored.pop("task", None)
+        if task != "rl":
+            raise ValueError(f"--resume {args.resume}: that is a `k2 {task}` run, not a `k2 rl` run")
+        cfg = RLConfig.from_dict(stored, source=str(saved))
+        changed = [
+            f"--{k.replace('_', '-')} {v} (the run has {getattr(cfg, k)})"
+            for k, v in overrides.items()
+            if k not in RESUME_MAY_CHANGE and k != "out" and getattr(cfg, k) != v
+        ]
+        if changed:
+            raise ValueError(
+                f"--resume {args.resume} continues the run as it was configured; refusing to change "
+                + "; ".join(changed)
+                + ". Start a new run (--out) to train with other settings."
+            )
+        overrides = {k: v for k, v in overrides.items() if k in RESUME_MAY_CHANGE}
+        return dataclasses.replace(cfg, stop_at=0, out=str(args.resume), **overrides)
+    cfg = RLConfig.from_file(args.config) if args.config is not None else RLConfig()
+    return dataclasses.replace(cfg, **overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    from k2_rl.loop import run_rl
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    try:
+        cfg = build_config(args)
+        cfg.validate()
+    except (ValueError, FileNotFoundError) as e:
+        console.print(f"[red]k2 rl: {e}[/red]", soft_wrap=True)
+        return 2
+    t_start = time.monotonic()
+
+    def on_iteration(row: dict) -> None:
+        if args.json:
+            return
+        acc = f"  held-out {row['heldout_accuracy']:.1%}" if row.get("heldout_accuracy") is not None else ""
+        line = (
+            f"rl iteration {row['iteration']}/{cfg.iterations}  reward {row['reward_mean']:.3f}  "
+            f"solved {row['solve_rate']:.1%}{acc}  len {row['response_tokens_mean']:.1f}  "
+            f"kl {row['kl_estimate']:.4f}  rollout {row['rollout_s']:.1f}s train {row['train_s']:.1f}s "
+            f"sync {row['sync_s']:.2f}s  ({time.monotonic() - t_start:.0f}s)"
+        )
+        console.print(line, soft_wrap=True, highlight=False)
+        sys.stdout.flush()
+
+    try:
+        result = run_rl(
+            cfg,
+            resume=args.resume is not None,
+            on_iteration=on_iteration,
+            log=(lambda _m: None) if args.json else (lambda m: console.print(m, soft_wrap=True)),
+        )
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        console.print(f"[red]k2 rl: {e}[/red]", soft_wrap=True)
+        return 2
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    k: str(v) if isinstance(v, Path) else v
+                    for k, v in dataclasses.asdict(result).items()
+                    if k != "plots"
+                }
+            )
+        )
+    else:
+        t = Table(title=f"k2 rl: {result.run_dir}")
+        for col in ("iterations", "optimizer steps", "last reward", "held-out accuracy"):
+            t.add_column(col, justify="right")
+        acc = "-" if result.heldout_accuracy is None else f"{result.heldout_accuracy:.1%}"
+        t.add_row(
+            f"{result.iterations_done}/{cfg.iterations}", str(result.steps), f"{result.reward_mean:.3f}", acc
+        )
+        console.print(t)
+        state = (
+            f"stopped early (resume with `k2 rl --resume {result.run_dir}`)" if result.interrupted else "done"
+        )
+        console.print(
+            f"{state}; run directory: [bold]{result.run_dir}[/bold] (metrics.jsonl, plots/rl.png, state/)"
+        )
+    return 130 if result.interrupted and not cfg.stop_at else 0
