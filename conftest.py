@@ -1,6 +1,30 @@
-"""Repository-wide pytest setup: `cuda` tests are skipped on machines without a GPU."""
+"""Repository-wide pytest setup.
+
+- `cuda` tests are skipped on machines without a GPU.
+- With K2_REQUIRE_KERNELS=1 (CI sets it), the compiled kernels must load: the session stops at
+  once if `k2_kernels._C` is missing, and a test skipped because a compiled kernel is unavailable
+  fails instead. Otherwise a broken kernel build would turn the kernel tests into skips and the
+  ops would fall back to the reference, and CI would stay green.
+"""
+
+import os
 
 import pytest
+
+REQUIRE_KERNELS = os.environ.get("K2_REQUIRE_KERNELS", "0") == "1"
+KERNEL_SKIP_MARKERS = ("k2_kernels._C", "compiled k2_kernels", "compiled rms_norm kernel", "kernel not built")
+
+
+def pytest_sessionstart(session):
+    if not REQUIRE_KERNELS:
+        return
+    from k2_kernels import _lib
+
+    if not _lib.has_cpu():
+        pytest.exit(
+            f"K2_REQUIRE_KERNELS=1 but k2_kernels._C did not load: {_lib.info().get('load_error')}",
+            returncode=3,
+        )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -12,3 +36,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if REQUIRE_KERNELS and report.skipped and "cuda" not in item.keywords:
+        reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if any(m in reason for m in KERNEL_SKIP_MARKERS):
+            report.outcome = "failed"
+            report.longrepr = f"K2_REQUIRE_KERNELS=1: skipped for a missing compiled kernel ({reason})"
