@@ -6,9 +6,8 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 PACKAGES = Path(__file__).resolve().parents[2]
 
