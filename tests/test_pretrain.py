@@ -17,6 +17,7 @@ from k2_stack.cli import main
 def run_pretrain(cfg: PretrainConfig, resume: bool = False):
     return run_training(cfg, resume=resume, log=lambda _msg: None)
 
+
 # A model small enough for a test, with K2's structure (dense first layer, MoE after, MLA).
 SMALL = {
     "hidden_size": 64,
@@ -49,8 +50,21 @@ def corpus(tmp_path_factory) -> Path:
 
 def _cfg(tmp_path: Path, corpus: Path, **kw) -> PretrainConfig:
     base = dict(
-        model_overrides=SMALL, steps=8, batch=4, micro_batch=2, seq_len=32, lr=1e-2, adamw_lr=1e-2, tau=5.0,
-        warmup_steps=2, data=str(corpus), val_fraction=0.2, eval_every=4, eval_batches=1, save_every=0, threads=1,
+        model_overrides=SMALL,
+        steps=8,
+        batch=4,
+        micro_batch=2,
+        seq_len=32,
+        lr=1e-2,
+        adamw_lr=1e-2,
+        tau=5.0,
+        warmup_steps=2,
+        data=str(corpus),
+        val_fraction=0.2,
+        eval_every=4,
+        eval_batches=1,
+        save_every=0,
+        threads=1,
         out=str(tmp_path / "run"),
     )
     base.update(kw)
@@ -173,9 +187,24 @@ def test_two_process_fsdp2_matches_one_process(tmp_path, corpus):
     cfg_file.write_text(json.dumps(dict(cfg.to_dict(), out=str(tmp_path / "two"), micro_batch=0)))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "k2_stack", "pretrain", "--config", str(cfg_file), "--json"],
-        capture_output=True, text=True, env=env, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "k2_stack",
+            "pretrain",
+            "--config",
+            str(cfg_file),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
@@ -225,15 +254,24 @@ def test_activation_checkpointing_keeps_loss_grads_and_expert_loads(tmp_path, co
     ids = torch.randint(0, 8192, (2, 32), generator=torch.Generator().manual_seed(1))
     results = []
     for ac in ("none", mode):
-        model = build_model(_cfg(tmp_path, corpus, model_overrides=dict(SMALL, num_hidden_layers=3)), 8192, torch.device("cpu"))
+        model = build_model(
+            _cfg(tmp_path, corpus, model_overrides=dict(SMALL, num_hidden_layers=3)),
+            8192,
+            torch.device("cpu"),
+        )
         parallelize(model, activation_checkpointing=ac)
         assert [layer.activation_checkpointing for layer in model.model.layers] == {
-            "none": [False] * 3, "full": [True] * 3, "selective": [True, False, True]}[ac]
+            "none": [False] * 3,
+            "full": [True] * 3,
+            "selective": [True, False, True],
+        }[ac]
         model.train()
         loss = mean_loss(NextTokenLoss(), model, {"input_ids": ids[:, :-1], "shift_labels": ids[:, 1:]})
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results.append((loss.detach(), grads, model.expert_load().clone(), model.attention_max_logits().clone()))
+        results.append(
+            (loss.detach(), grads, model.expert_load().clone(), model.attention_max_logits().clone())
+        )
     (l0, g0, load0, s0), (l1, g1, load1, s1) = results
     assert torch.equal(l0, l1)
     assert g0.keys() == g1.keys()
@@ -276,10 +314,17 @@ def test_ctrl_c_saves_and_resume_continues_exactly(tmp_path, corpus):
 
     run_pretrain(_cfg(tmp_path, corpus, steps=40, eval_every=0, out=str(tmp_path / "full")))
     cfg_file = tmp_path / "int.json"
-    cfg_file.write_text(json.dumps(_cfg(tmp_path, corpus, steps=40, eval_every=0, out=str(tmp_path / "int")).to_dict()))
+    cfg_file.write_text(
+        json.dumps(_cfg(tmp_path, corpus, steps=40, eval_every=0, out=str(tmp_path / "int")).to_dict())
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "k2_stack", "pretrain", "--config", str(cfg_file), "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "k2_stack", "pretrain", "--config", str(cfg_file), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     metrics = tmp_path / "int" / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
@@ -292,3 +337,30 @@ def test_ctrl_c_saves_and_resume_continues_exactly(tmp_path, corpus):
     assert len(_losses(tmp_path / "int")) == done  # nothing logged past the checkpoint
     assert main(["pretrain", "--resume", str(tmp_path / "int"), "--json"]) == 0
     assert _losses(tmp_path / "int") == _losses(tmp_path / "full")
+
+
+def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path, corpus):
+    """Piped (CI, `| tee`): a plain progress line at the first and last step (and every 10 s),
+    not a live bar that prints nothing until the end."""
+    import os
+    import subprocess
+    import sys
+
+    cfg_file = tmp_path / "p.json"
+    cfg_file.write_text(json.dumps(_cfg(tmp_path, corpus, steps=3, eval_every=3).to_dict()))
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
+    proc = subprocess.run(
+        [sys.executable, "-m", "k2_stack", "pretrain", "--config", str(cfg_file)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("pretrain step ")]
+    assert lines[0].startswith("pretrain step 1/3  loss ") and lines[-1].startswith(
+        "pretrain step 3/3  loss "
+    )
+    assert "val " in lines[-1]  # the evaluation step shows the held-out loss
+    first_loss = float(lines[0].split("loss ")[1].split()[0])
+    assert first_loss == pytest.approx(_losses(tmp_path / "run")[0], abs=1e-4)
