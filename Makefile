@@ -13,11 +13,13 @@ KERNELS_STAMP := $(VENV)/.k2-kernels
 STAMP         := $(VENV)/.k2-installed
 KERNEL_SRCS   := $(shell find csrc packages/k2-kernels/CMakeLists.txt packages/k2-kernels/pyproject.toml -type f 2>/dev/null)
 
-.PHONY: setup test test-fast demo serve stats wheels lint bench-model clean help
+.PHONY: setup test test-fast demo sft-demo rl-demo serve stats wheels lint bench-model clean help
 
 help:
 	@echo "make demo    set up .venv if needed, then run the main job on the embedded default data"
 	@echo "make test    set up .venv if needed, then run the CPU test suite"
+	@echo "make sft-demo  SFT the tiny K2 on the shipped tool-use set (k2 sft), into runs/sft-<time>"
+	@echo "make rl-demo   SFT on worked additions, then k2 rl (K1.5 objective) from it, into runs/rl-<time>"
 	@echo "make serve   set up .venv if needed, then k2 serve --preset tiny on localhost:8000"
 	@echo "make stats   the K2 vs DeepSeek-V3 cost model (k2 model stats)"
 	@echo "make wheels  build every package's wheel into dist/"
@@ -53,6 +55,23 @@ DEMO_OUT   ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 DEMO_FLAGS ?= --steps 120 --batch 8 --seq-len 256 --lr 0.02 --tau 30 --max-corpus-mb 4 --eval-every 40 --save-every 60
 demo: $(STAMP)
 	$(VENV)/bin/k2 pretrain --preset tiny --optimizer muonclip $(DEMO_FLAGS) --out $(DEMO_OUT)
+
+# Supervised fine-tuning on the shipped, generated tool-use set (loss on assistant turns only).
+SFT_OUT   ?= runs/sft-$(shell date +%Y%m%d-%H%M%S)
+SFT_FLAGS ?= --steps 300
+sft-demo: $(STAMP)
+	$(VENV)/bin/k2 sft $(SFT_FLAGS) --out $(SFT_OUT)
+
+# RL with the K1.5 objective, small: SFT the tiny K2 on worked 3-digit additions, then k2 rl from
+# it (rollouts in a worker process, weights synced through k2-ckpt every iteration).
+RL_STAMP      := $(shell date +%Y%m%d-%H%M%S)
+RL_OUT        ?= runs/rl-$(RL_STAMP)
+RL_SFT_FLAGS  ?= --seq-len 256 --batch 16 --steps 150 --eval-every 50 --save-every 150
+RL_FLAGS      ?= --iterations 10 --prompts-per-iteration 16 --samples-per-prompt 8 --max-response-tokens 48 --eval-every 5 --eval-prompts 100
+rl-demo: $(STAMP)
+	$(PY) -m k2_rl.tasks --out $(RL_OUT)/data
+	$(VENV)/bin/k2 sft --data $(RL_OUT)/data/sft.jsonl $(RL_SFT_FLAGS) --out $(RL_OUT)/sft
+	$(VENV)/bin/k2 rl --init $(RL_OUT)/sft --tasks $(RL_OUT)/data/rl.jsonl --heldout $(RL_OUT)/data/heldout.jsonl $(RL_FLAGS) --out $(RL_OUT)/rl
 
 # An OpenAI-compatible server on loopback with the tiny preset's random weights (Ctrl-C stops it).
 SERVE_FLAGS ?= --preset tiny --port 8000

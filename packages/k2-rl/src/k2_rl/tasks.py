@@ -129,3 +129,27 @@ def read_tasks(path: str | Path) -> list[dict]:
 
 
 __all__ = ["addition_problems", "read_tasks", "worked_solution", "write_addition_dataset"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m k2_rl.tasks",
+        description="Write the generated addition task: "
+        "sft.jsonl (worked solutions), rl.jsonl and heldout.jsonl (prompts + answers).",
+    )
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--n-sft", type=int, default=2000)
+    ap.add_argument("--n-rl", type=int, default=2000)
+    ap.add_argument("--n-heldout", type=int, default=200)
+    ap.add_argument("--digits", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    counts = write_addition_dataset(a.out, a.n_sft, a.n_rl, a.n_heldout, a.seed, a.digits)
+    print(json.dumps(counts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
