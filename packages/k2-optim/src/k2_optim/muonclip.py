@@ -2,8 +2,9 @@
 
 Which optimizer gets which parameter (`muonclip_param_groups`):
     Muon   every hidden matrix: attention projections, dense and expert MLP weights (stacked
-           [E, out, in] experts are orthogonalised per expert; fused gate_up per half), and, by
-           default, the MoE router gate [n_experts, hidden].
+           [E, out, in] experts are orthogonalised per expert; fused gate_up per half; a packed
+           nn.MultiheadAttention in_proj_weight per q, k and v), and, by default, the MoE router
+           gate [n_experts, hidden].
     AdamW  token embeddings, the LM head (the output embedding), and all 1-D parameters (norm
            weights, biases). Embedding rows are per-token lookups and the head's rows are per-token
            classifiers: neither acts as a linear map on a hidden space, which is what Muon's
@@ -62,11 +63,18 @@ def muonclip_param_groups(
 
     `fused` maps a regex on parameter names to the sizes of the logical matrices stacked in
     that parameter along its rows (or `(sizes, dim)`); names ending in `gate_up_proj` (the
-    transformers MoE layout [E, 2F, D]) are split into two equal halves automatically.
+    transformers MoE layout [E, 2F, D]) are split into two equal halves automatically, and the
+    packed `in_proj_weight` [3E, E] of an `nn.MultiheadAttention` into its q, k and v matrices.
     """
     if router not in ("muon", "adamw"):
         raise ValueError(f"muonclip_param_groups: router must be 'muon' or 'adamw', got {router!r}")
     embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    # nn.MultiheadAttention's packed in_proj_weight [3E, E] holds three matrices (W_q, W_k, W_v)
+    packed_qkv = {
+        id(m.in_proj_weight): m.embed_dim
+        for m in model.modules()
+        if isinstance(m, nn.MultiheadAttention) and m.in_proj_weight is not None
+    }
     head_ids = _lm_head_params(model)
     adamw: list[Tensor] = []
     muon_by_split: dict[tuple | None, list[Tensor]] = {}
@@ -90,6 +98,9 @@ def muonclip_param_groups(
                     sizes, dim = spec, -2
                 split = (tuple(int(s) for s in sizes), int(dim))
                 break
+        if split is None and id(p) in packed_qkv:
+            e = packed_qkv[id(p)]
+            split = ((e, e, e), -2)
         if split is None and _FUSED_GATE_UP_RE.search(name) and p.shape[-2] % 2 == 0:
             half = p.shape[-2] // 2
             split = ((half, half), -2)
@@ -148,7 +159,8 @@ class MuonClip(Muon):
             elif qk_clip is None and tau is not None:
                 warnings.warn(
                     f"MuonClip: {type(model_or_params).__name__} does not implement the QK-Clip protocol and no "
-                    "qk_clip= source was given, so QK-Clip is off (Muon + AdamW only). For an MHA/GQA model pass "
+                    "qk_clip= source was given, so QK-Clip is off (Muon + AdamW only). For an MHA/GQA model "
+                    "(q_proj/k_proj nn.Linear attention, or nn.MultiheadAttention) pass "
                     "qk_clip=k2_optim.attach_qk_clip(model); pass tau=None to silence this.",
                     stacklevel=2,
                 )
