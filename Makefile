@@ -23,7 +23,7 @@ help:
 	@echo "make serve   set up .venv if needed, then k2 serve --preset tiny on localhost:8000"
 	@echo "make stats   the K2 vs DeepSeek-V3 cost model (k2 model stats)"
 	@echo "make wheels  build every package's wheel into dist/"
-	@echo "make lint    ruff"
+	@echo "make lint    ruff check + ruff format --check"
 
 # torch and the build tools, once.
 $(BASE_STAMP):
@@ -86,8 +86,10 @@ wheels: $(BASE_STAMP)
 	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w dist $(foreach p,$(PACKAGES),packages/$(p)) .
 	@ls -1 dist
 
+LINT_PATHS := src packages tests benchmarks scripts conftest.py
 lint: $(STAMP)
-	$(PY) -m ruff check src packages tests benchmarks scripts
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
 
 bench-model: $(STAMP)
 	$(PY) benchmarks/model_step.py

@@ -37,13 +37,17 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
 
 def _table(r: dict) -> str:
     rows = [
-        "| device | ranks | params | GB | tensors | buckets | update s | update GB/s | raw bcast GB/s | ratio "
-        "| H2D pipeline GB/s | pinned copy_ GB/s | H2D ratio | update / pinned copy | verified |",
+        (
+            "| device | ranks | params | GB | tensors | buckets | update s | update GB/s | raw bcast GB/s | ratio "
+            "| H2D pipeline GB/s | pinned copy_ GB/s | H2D ratio | update / pinned copy | verified |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        f"| {r['device_name']} | {r['ranks']} | {r['params'] / 1e6:.0f}M | {r['model_gb']:.2f} | {r['tensors']} "
-        f"| {r['num_buckets']} | {r['update_s']:.3f} | {r['update_gbps']:.2f} | {r['raw_broadcast_gbps']:.2f} "
-        f"| {r['ratio']:.2f} | {_fmt(r['h2d_pipeline_gbps'])} | {_fmt(r['pinned_copy_gbps'])} "
-        f"| {_fmt(r['h2d_ratio'])} | {_fmt(r['update_vs_pinned_copy'])} | {'yes' if r['verified'] else 'NO'} |",
+        (
+            f"| {r['device_name']} | {r['ranks']} | {r['params'] / 1e6:.0f}M | {r['model_gb']:.2f} | {r['tensors']} "
+            f"| {r['num_buckets']} | {r['update_s']:.3f} | {r['update_gbps']:.2f} | {r['raw_broadcast_gbps']:.2f} "
+            f"| {r['ratio']:.2f} | {_fmt(r['h2d_pipeline_gbps'])} | {_fmt(r['pinned_copy_gbps'])} "
+            f"| {_fmt(r['h2d_ratio'])} | {_fmt(r['update_vs_pinned_copy'])} | {'yes' if r['verified'] else 'NO'} |"
+        ),
     ]
     return "\n".join(rows)
 

@@ -165,8 +165,10 @@ def write_results_md(args: argparse.Namespace, results: list[dict], tail: int) -
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
     ).stdout.strip()
     lines = [
-        f"| run | last-{tail}-step mean loss | final val loss | peak max logit (before clip) | last max logit | "
-        "peak max logit after clip | steps with a clip | heads ever clipped |",
+        (
+            f"| run | last-{tail}-step mean loss | final val loss | peak max logit (before clip) | last max logit | "
+            "peak max logit after clip | steps with a clip | heads ever clipped |"
+        ),
         "|---|---|---|---|---|---|---|---|",
     ]
     for s in results:

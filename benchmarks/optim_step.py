@@ -40,7 +40,7 @@ try:
     from k2_kernels.newton_schulz_ops import kernel_serves
 except ImportError:  # k2-kernels absent: k2_optim runs its PyTorch path
 
-    def kernel_serves(device, dtype) -> bool:  # noqa: E306
+    def kernel_serves(device, dtype) -> bool:
         return False
 
 # legend: B batch of matrices, M rows (Gram side), N columns

@@ -29,13 +29,24 @@ KIND_PTX, KIND_ELF = 1, 2
 FLAG_ARCH_SPECIFIC = 0x100000
 FLAG_COMPRESSED = 0x2000 | 0x8000  # either bit: payload compressed (names not greppable)
 KERNELS = (
-    "route_kernel", "hist_kernel", "scan_kernel", "place_kernel", "gather_kernel", "unpermute_kernel",
+    "route_kernel",
+    "hist_kernel",
+    "scan_kernel",
+    "place_kernel",
+    "gather_kernel",
+    "unpermute_kernel",
     "unpermute_backward_kernel",
     # MLA attention (csrc/cuda/mla_attention_*.cu)
-    "fwd_mma_kernel", "bwd_mma_kernel", "fwd_simt_kernel", "bwd_simt_kernel", "delta_kernel", "convert_kernel",
+    "fwd_mma_kernel",
+    "bwd_mma_kernel",
+    "fwd_simt_kernel",
+    "bwd_simt_kernel",
+    "delta_kernel",
+    "convert_kernel",
     "fill_kernel",
     # Newton-Schulz (csrc/cuda/newton_schulz.cu)
-    "ns_gemm_bf16", "ns_gemm_f32",
+    "ns_gemm_bf16",
+    "ns_gemm_f32",
 )
 
 
@@ -56,11 +67,13 @@ def elf_section(data: bytes, wanted: str) -> bytes | None:
     """The contents of the named section of a 64-bit little-endian ELF file."""
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         raise ValueError("not a 64-bit little-endian ELF file")
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+
     def header(i: int) -> tuple[int, int, int, int]:
         name, _type, _flags, _addr, offset, size = struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize)
         return name, _type, offset, size
+
     _, _, str_off, _ = header(shstrndx)
     for i in range(shnum):
         name_off, sh_type, offset, size = header(i)
@@ -83,8 +96,8 @@ def fatbin_entries(section: bytes) -> list[Entry]:
             kind, _v, ehsize, psize = struct.unpack_from("<HHIQ", section, pos)
             if ehsize == 0:
                 break
-            arch, = struct.unpack_from("<I", section, pos + 0x1C)
-            flags, = struct.unpack_from("<Q", section, pos + 0x28)
+            (arch,) = struct.unpack_from("<I", section, pos + 0x1C)
+            (flags,) = struct.unpack_from("<Q", section, pos + 0x28)
             entries.append(Entry(kind, arch, flags, section[pos + ehsize : pos + ehsize + psize]))
             pos += ehsize + psize
         off = max(end, off + 8)
@@ -94,7 +107,9 @@ def fatbin_entries(section: bytes) -> list[Entry]:
 def find_extension() -> Path:
     spec = importlib.util.find_spec("k2_kernels._C")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError("k2_kernels._C is not installed (build it: pip install -e packages/k2-kernels)")
+        raise FileNotFoundError(
+            "k2_kernels._C is not installed (build it: pip install -e packages/k2-kernels)"
+        )
     return Path(spec.origin)
 
 
@@ -126,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         entries = fatbin_entries(section)
     print(f"fatbin entries: {', '.join(e.name for e in entries) or 'none'}")
     cubins = [
-        e for e in entries
+        e
+        for e in entries
         if e.kind == KIND_ELF and e.arch == want_arch and bool(e.flags & FLAG_ARCH_SPECIFIC) == want_specific
     ]
     if not cubins:

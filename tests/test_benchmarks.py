@@ -29,7 +29,7 @@ def test_no_benchmark_script_shadows_a_stdlib_module():
 
 def test_attention_benchmark_prints_its_table():
     out = run_bench("attention.py", "--seqs", "64,160", "--heads", "2", "--repeats", "1")
-    rows = [line for line in out.splitlines() if line.startswith("| 64 |") or line.startswith("| 160 |")]
+    rows = [line for line in out.splitlines() if line.startswith(("| 64 |", "| 160 |"))]
     assert len(rows) == 2
     cells = rows[1].strip("|").split("|")
     assert len(cells) == 11 and all(c.strip() not in ("", "-") for c in cells)  # memory measured too

@@ -22,11 +22,32 @@ from k2_data.chat import render_ids
 from k2_stack.serve import build_bridge, create_app
 
 MAX_LEN = 512
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
-                                     "metric": {"type": "boolean"}}, "required": ["city", "metric"]}}}
-LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
-    "type": "object", "properties": {"q": {"type": "string", "maxLength": 10}}, "required": ["q"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+                "metric": {"type": "boolean"},
+            },
+            "required": ["city", "metric"],
+        },
+    },
+}
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {
+            "type": "object",
+            "properties": {"q": {"type": "string", "maxLength": 10}},
+            "required": ["q"],
+        },
+    },
+}
 
 
 def _free_port() -> int:
@@ -95,8 +116,16 @@ def test_streaming_matches_non_streaming(server):
     bridge, client, _ = server
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
@@ -112,7 +141,9 @@ def test_stop_string_finishes_with_stop(server):
     text = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
     content = text.choices[0].message.content
     stop = content[len(content) // 2 : len(content) // 2 + 2]
-    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0, stop=[stop])
+    r = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, temperature=0, stop=[stop]
+    )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].message.content == (content[: content.find(stop)] or None)
 
@@ -122,8 +153,9 @@ def test_concurrent_requests_share_the_engine(server):
     prompts = [f"Question number {i}: {'why ' * i}?" for i in range(6)]
 
     def ask(p: str):
-        return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
-                                              max_tokens=8, temperature=0)
+        return client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": p}], max_tokens=8, temperature=0
+        )
 
     with ThreadPoolExecutor(6) as ex:
         results = list(ex.map(ask, prompts))
@@ -143,8 +175,11 @@ def test_completions_endpoint(server):
     text_ids = ref[:-1] if ref[-1] in _stop_ids(bridge) else ref
     assert r.choices[0].text == bridge.tokenizer.decode(text_ids)
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref)
-    s = list(client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=6,
-                                       temperature=0, stream=True))
+    s = list(
+        client.completions.create(
+            model="tiny", prompt="The capital of France is", max_tokens=6, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in s) == r.choices[0].text
     # a batch of prompts: one choice each, generated together, each equal to its own reference
     batch = ["Once upon a time", "1, 2, 3,", "def main():"]
@@ -170,8 +205,15 @@ def test_tool_loop_required_then_auto(server):
     messages = [{"role": "user", "content": "What's the weather in Paris?"}]
     tools = [WEATHER, LOOKUP]
     for seed in range(3):  # a random model: every sampled call still parses and fits its schema
-        r = client.chat.completions.create(model="tiny", messages=messages, tools=tools, tool_choice="required",
-                                           max_tokens=64, temperature=1.0, seed=seed)
+        r = client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            tools=tools,
+            tool_choice="required",
+            max_tokens=64,
+            temperature=1.0,
+            seed=seed,
+        )
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         (call,) = choice.message.tool_calls
@@ -183,21 +225,31 @@ def test_tool_loop_required_then_auto(server):
             q = json.loads(call.function.arguments)
             assert set(q) == {"q"} and len(q["q"]) <= 10
     # the client runs the tool and sends the result; the model continues under "auto"
-    messages += [choice.message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21C"}]
-    r2 = client.chat.completions.create(model="tiny", messages=messages, tools=tools, tool_choice="auto",
-                                        max_tokens=8, temperature=0)
-    assert r2.usage.prompt_tokens == len(render_ids(bridge.tokenizer, messages, tools=tools,
-                                                    add_generation_prompt=True))
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21C"},
+    ]
+    r2 = client.chat.completions.create(
+        model="tiny", messages=messages, tools=tools, tool_choice="auto", max_tokens=8, temperature=0
+    )
+    assert r2.usage.prompt_tokens == len(
+        render_ids(bridge.tokenizer, messages, tools=tools, add_generation_prompt=True)
+    )
     assert r2.choices[0].finish_reason in {"stop", "length", "tool_calls"}
 
 
 def test_named_tool_choice_streaming(server):
     bridge, client, _ = server
     stream = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[LOOKUP, WEATHER],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=64, temperature=0.8,
-        seed=7, stream=True)
+        model="tiny",
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[LOOKUP, WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=64,
+        temperature=0.8,
+        seed=7,
+        stream=True,
+    )
     name, args, finish = None, "", None
     for c in stream:
         d = c.choices[0].delta
@@ -223,20 +275,30 @@ def test_errors_in_openai_shape(server):
         client.chat.completions.create(model="tiny", messages=user, max_tokens=MAX_LEN)
     assert e.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * MAX_LEN}])
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "word " * MAX_LEN}]
+        )
     assert e.value.body["code"] == "context_length_exceeded"
     for field, value in (("temperature", -1.0), ("top_p", 0.0), ("max_tokens", 0)):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="tiny", messages=user, **{field: value})
         assert e.value.body["param"] == field, e.value.body
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=user, tools=[WEATHER],
-                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+        client.chat.completions.create(
+            model="tiny",
+            messages=user,
+            tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
     assert e.value.body["param"] == "tool_choice"
-    bad_schema = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "strin"}}}}}
+    bad_schema = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "strin"}}}},
+    }
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=user, tools=[bad_schema], tool_choice="required")
+        client.chat.completions.create(
+            model="tiny", messages=user, tools=[bad_schema], tool_choice="required"
+        )
     assert e.value.body["param"] == "tools" and "strin" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=user, n=2)
@@ -244,7 +306,9 @@ def test_errors_in_openai_shape(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt=[0, 10**6], max_tokens=2)
     assert e.value.body["param"] == "prompt"
-    raw = httpx.post(f"{base}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    raw = httpx.post(
+        f"{base}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "param", "code"}
 
 
@@ -276,7 +340,9 @@ def test_ckpt_update_into_live_server(server):
     messages = [{"role": "user", "content": "Weights?"}]
     prompt = render_ids(bridge.tokenizer, messages, add_generation_prompt=True)
     old = {n: p.detach().clone() for n, p in bridge.model.named_parameters() if n.startswith("lm_head")}
-    new = {n: torch.randn(t.shape, generator=torch.Generator().manual_seed(11)) * t.std() for n, t in old.items()}
+    new = {
+        n: torch.randn(t.shape, generator=torch.Generator().manual_seed(11)) * t.std() for n, t in old.items()
+    }
     created = not dist.is_initialized()  # another test in this process may hold a group already
     if created:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
@@ -285,7 +351,9 @@ def test_ckpt_update_into_live_server(server):
         ps.register_checkpoint("v2", named_tensors=new)
 
         def req_func(zmq_handles: dict[str, str]) -> None:
-            r = httpx.post(f"{base}/ckpt/v1/update_weights_from_ipc", json={"zmq_handles": zmq_handles}, timeout=60)
+            r = httpx.post(
+                f"{base}/ckpt/v1/update_weights_from_ipc", json={"zmq_handles": zmq_handles}, timeout=60
+            )
             r.raise_for_status()
 
         ps.update("v2", req_func)
@@ -308,8 +376,22 @@ def test_cli_starts_the_server():
     import sys
 
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "k2_stack", "serve", "--preset", "tiny", "--port", str(port),
-                             "--served-model-name", "k2-tiny"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "k2_stack",
+            "serve",
+            "--preset",
+            "tiny",
+            "--port",
+            str(port),
+            "--served-model-name",
+            "k2-tiny",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.time() + 60
         while True:
@@ -323,7 +405,9 @@ def test_cli_starts_the_server():
             time.sleep(0.2)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["k2-tiny"]
-        r = client.chat.completions.create(model="k2-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        r = client.chat.completions.create(
+            model="k2-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
         assert r.usage.completion_tokens <= 3 and r.choices[0].finish_reason in {"stop", "length"}
     finally:
         proc.terminate()
@@ -345,10 +429,13 @@ def test_model_dir_checkpoint(tmp_path):
         with TestClient(create_app(bridge, ckpt_rank=None)) as http:
             assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["my-k2"]
             ids = bridge.tokenizer.encode("Hello world")
-            r = http.post("/v1/completions", json={"model": "my-k2", "prompt": ids, "max_tokens": 6,
-                                                   "temperature": 0}).json()
+            r = http.post(
+                "/v1/completions", json={"model": "my-k2", "prompt": ids, "max_tokens": 6, "temperature": 0}
+            ).json()
         ref = _greedy_reference(saved, ids, 6, _stop_ids(bridge))
-        assert r["choices"][0]["text"] == bridge.tokenizer.decode(ref[:-1] if ref[-1] in _stop_ids(bridge) else ref)
+        assert r["choices"][0]["text"] == bridge.tokenizer.decode(
+            ref[:-1] if ref[-1] in _stop_ids(bridge) else ref
+        )
     finally:
         bridge.close()
     with pytest.raises(FileNotFoundError, match="config.json"):
@@ -357,8 +444,13 @@ def test_model_dir_checkpoint(tmp_path):
 
 def test_client_disconnect_aborts_the_request(server):
     bridge, client, base = server
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Go on forever."}], "max_tokens": 400,
-            "temperature": 0, "stream": True}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Go on forever."}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
     aborted = bridge.num_aborted
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()

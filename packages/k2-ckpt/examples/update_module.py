@@ -1,6 +1,6 @@
 """Push a trainer's sharded weights into an inference model on every rank.
 
-    torchrun --nproc-per-node 2 packages/k2-ckpt/examples/update_module.py
+torchrun --nproc-per-node 2 packages/k2-ckpt/examples/update_module.py
 """
 
 import torch
@@ -37,7 +37,9 @@ def req_func(zmq_handles: dict[str, str]) -> None:
 
 stats = ps.update("step-100", req_func, req_on_all_ranks=True)
 same = all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), engine.state_dict().values()))
-print(f"rank {rank}: {stats.nbytes / 2**20:.1f} MiB in {stats.num_buckets} buckets, {stats.seconds * 1e3:.0f} ms, "
-      f"engine == trainer bitwise: {same}")
+print(
+    f"rank {rank}: {stats.nbytes / 2**20:.1f} MiB in {stats.num_buckets} buckets, {stats.seconds * 1e3:.0f} ms, "
+    f"engine == trainer bitwise: {same}"
+)
 ps.close()
 dist.destroy_process_group()

@@ -73,8 +73,13 @@ def correctness(rank: int, world: int, run_dir: str) -> dict:
         # v2 from safetensors files (one in /dev/shm, one on disk), updated twice
         mine = tensors_for(spec, rank, world, 2)
         names = sorted(mine)
-        files = [os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else run_dir, f"k2ckpt-test-{os.getpid()}-a.safetensors"),
-                 os.path.join(run_dir, f"r{rank}-b.safetensors")]
+        files = [
+            os.path.join(
+                "/dev/shm" if os.path.isdir("/dev/shm") else run_dir,
+                f"k2ckpt-test-{os.getpid()}-a.safetensors",
+            ),
+            os.path.join(run_dir, f"r{rank}-b.safetensors"),
+        ]
         save_file({n: mine[n] for n in names[::2]}, files[0])
         save_file({n: mine[n] for n in names[1::2]}, files[1])
         try:
@@ -132,9 +137,18 @@ def _summary(e: UpdateError | None, dt: float) -> dict:
     if e is None:
         return {"raised": False}
     f = e.failures[0]
-    return {"raised": True, "rank": f.rank, "kind": f.kind, "tensor": f.tensor, "traceback": f.traceback or "",
-            "message": str(e), "status": e.status, "seconds": dt, "applied": e.applied,
-            "ranks": sorted({x.rank for x in e.failures})}
+    return {
+        "raised": True,
+        "rank": f.rank,
+        "kind": f.kind,
+        "tensor": f.tensor,
+        "traceback": f.traceback or "",
+        "message": str(e),
+        "status": e.status,
+        "seconds": dt,
+        "applied": e.applied,
+        "ranks": sorted({x.rank for x in e.failures}),
+    }
 
 
 def failures(rank: int, world: int, run_dir: str) -> dict:
@@ -166,7 +180,9 @@ def failures(rank: int, world: int, run_dir: str) -> dict:
         # 2. dtype and shape mismatch with the receiver
         mine = tensors_for(spec, rank, world, 2)
         if rank == 0:
-            mine[victim] = mine[victim].float() if mine[victim].dtype != torch.float32 else mine[victim].half()
+            mine[victim] = (
+                mine[victim].float() if mine[victim].dtype != torch.float32 else mine[victim].half()
+            )
         else:
             b = f"model.layers.{rank}.mlp.gate.e_score_correction_bias"
             mine[b] = torch.zeros(17)
@@ -268,10 +284,17 @@ def engine_integrations(rank: int, world: int) -> dict:
     from torch import nn
 
     calls = []
-    mods = ["vllm", "vllm.model_executor", "vllm.model_executor.model_loader", "vllm.model_executor.model_loader.utils"]
+    mods = [
+        "vllm",
+        "vllm.model_executor",
+        "vllm.model_executor.model_loader",
+        "vllm.model_executor.model_loader.utils",
+    ]
     for m in mods:
         sys.modules[m] = types.ModuleType(m)
-    sys.modules[mods[-1]].process_weights_after_loading = lambda model, cfg, dev: calls.append((cfg, str(dev)))
+    sys.modules[mods[-1]].process_weights_after_loading = lambda model, cfg, dev: calls.append(
+        (cfg, str(dev))
+    )
 
     class FakeModel(nn.Module):  # an engine model: load_weights takes (name, tensor) pairs
         def __init__(self):
@@ -285,7 +308,10 @@ def engine_integrations(rank: int, world: int) -> dict:
                 self.seen.append(name)
                 getattr(self, name.split(".")[-1]).data.copy_(t)
 
-    new = {"model.w": make_tensor("model.w", "bfloat16", [64, 32], 3), "model.b": make_tensor("model.b", "float32", [64], 3)}
+    new = {
+        "model.w": make_tensor("model.w", "bfloat16", [64, 32], 3),
+        "model.b": make_tensor("model.b", "float32", [64], 3),
+    }
     ps = _server()
     ps.register_checkpoint("c", named_tensors=new)
     out = {}
@@ -300,7 +326,9 @@ def engine_integrations(rank: int, world: int) -> dict:
 
     runner = types.SimpleNamespace(model=FakeModel(), device="cpu")
     ps.update("c", lambda h: sglang_update_weights_from_ipc(runner, h))
-    out["sglang_equal"] = torch.equal(runner.model.w, new["model.w"]) and torch.equal(runner.model.b, new["model.b"])
+    out["sglang_equal"] = torch.equal(runner.model.w, new["model.w"]) and torch.equal(
+        runner.model.b, new["model.b"]
+    )
     out["sglang_seen"] = sorted(runner.model.seen)
     ps.close()
     return out
@@ -347,16 +375,21 @@ def consistency(rank: int, world: int) -> dict:
     mode = {"staged": True, "timeout_s": 10.0}
 
     def register(name: str, value: float, keep=lambda n: True) -> None:
-        ps.register_checkpoint(name, named_tensors={n: torch.full((64, 64), value) for n in names
-                                                    if int(n.split(".")[2]) == rank and keep(n)})
+        ps.register_checkpoint(
+            name,
+            named_tensors={
+                n: torch.full((64, 64), value) for n in names if int(n.split(".")[2]) == rank and keep(n)
+            },
+        )
 
     def req(handles):
         loader = ad
         if mode.get("fresh"):  # a new adapter for every update, as in the README example
             loader = _FaultyAdapter(module, assign=True)
             loader.fail_validate = mode.pop("fail_next", False)
-        return update_weights_from_ipc(handles[ps.device_id], loader, staged=mode["staged"],
-                                       timeout_s=mode["timeout_s"])
+        return update_weights_from_ipc(
+            handles[ps.device_id], loader, staged=mode["staged"], timeout_s=mode["timeout_s"]
+        )
 
     def values() -> dict[str, float]:  # every tensor is constant: one number each, or "mixed"
         sd = module.state_dict()

@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(__file__))
-import k2ckpt_scenarios as S  # noqa: E402
-from k2_ckpt.api import CkptClient  # noqa: E402
-from k2_ckpt.harness import digest, make_tensor  # noqa: E402
-from k2_ckpt.launch import run_world  # noqa: E402
+import k2ckpt_scenarios as S
+from k2_ckpt.api import CkptClient
+from k2_ckpt.harness import digest, make_tensor
+from k2_ckpt.launch import run_world
 
 pytestmark = pytest.mark.dist
 WORLD = 2
@@ -25,7 +25,9 @@ WORLD = 2
 def _save_shards(tmp, spec, version, tweak=None):
     files, tensors = [], {}
     for r in range(WORLD):
-        mine = {n: make_tensor(n, dt, sh, version) for n, (dt, sh) in spec.items() if n.split(".")[2] == str(r)}
+        mine = {
+            n: make_tensor(n, dt, sh, version) for n, (dt, sh) in spec.items() if n.split(".")[2] == str(r)
+        }
         if tweak:
             tweak(r, mine)
         path = os.path.join(tmp, f"v{version}-r{r}.safetensors")
@@ -96,6 +98,7 @@ def test_http_api_register_gather_update_delete_and_errors(tmp_path):
         def tweak(r, mine):
             if r == 1:
                 mine["model.layers.1.self_attn.2.q_b_proj.weight"] = torch.zeros(40, 999, dtype=torch.float16)
+
         files2, _ = _save_shards(run_dir, spec, 2, tweak)
         assert [x.status_code for x in client.register_files("v2", files2)] == [200] * WORLD
         mm = client.update("v2", update_uds=recv)

@@ -24,8 +24,10 @@ VICTIM = "model.layers.0.mlp.experts.3.down_proj.weight"
 
 
 def cuda_spec() -> dict:
-    spec = {f"model.layers.0.mlp.experts.{i}.down_proj.weight": (DTYPES[i % len(DTYPES)], [48, 80 + 8 * i])
-            for i in range(15)}
+    spec = {
+        f"model.layers.0.mlp.experts.{i}.down_proj.weight": (DTYPES[i % len(DTYPES)], [48, 80 + 8 * i])
+        for i in range(15)
+    }
     spec["model.layers.0.mlp.gate.e_score_correction_bias"] = ("float32", [16])
     spec[BIG] = ("bfloat16", [1024, 200])
     return spec
@@ -46,7 +48,9 @@ def cuda_scenario(rank: int, world: int, run_dir: str, device: str = "cuda") -> 
     try:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        ps = ParameterServer(device=dev, config=ServerConfig(max_bucket_bytes=64 << 10, timeout_s=60, time_h2d=True))
+        ps = ParameterServer(
+            device=dev, config=ServerConfig(max_bucket_bytes=64 << 10, timeout_s=60, time_h2d=True)
+        )
         out["engine_device_id"] = eng.wait_ready(timeout_s=180)
         out["server_device_id"] = ps.device_id
         req = engines_req_func(run_dir, world, timeout_s=120, device_ids=[ps.device_id])
@@ -56,17 +60,26 @@ def cuda_scenario(rank: int, world: int, run_dir: str, device: str = "cuda") -> 
             return sorted(n for n in spec if got[n] != want[n])
 
         # v1 from named tensors (pinned arena), updated twice (slot buffer and IPC mapping reused)
-        ps.register_checkpoint("v1", named_tensors={n: make_tensor(n, dt, sh, 1) for n, (dt, sh) in spec.items()})
+        ps.register_checkpoint(
+            "v1", named_tensors={n: make_tensor(n, dt, sh, 1) for n, (dt, sh) in spec.items()}
+        )
         st = ps.update("v1", req)
         out["v1_bad"] = bad_tensors("v1")
         ps.update("v1", req)
         out["v1_again_bad"] = bad_tensors("v1")
-        out.update(nbytes=st.nbytes, bucket_bytes=st.bucket_bytes, num_buckets=st.num_buckets,
-                   h2d_bytes=st.h2d_bytes, h2d_s=st.h2d_s)
+        out.update(
+            nbytes=st.nbytes,
+            bucket_bytes=st.bucket_bytes,
+            num_buckets=st.num_buckets,
+            h2d_bytes=st.h2d_bytes,
+            h2d_s=st.h2d_s,
+        )
         v1 = eng.digests()
 
         # an injected receiver error: UpdateError naming rank and tensor, the engine keeps v1
-        ps.register_checkpoint("v2", named_tensors={n: make_tensor(n, dt, sh, 2) for n, (dt, sh) in spec.items()})
+        ps.register_checkpoint(
+            "v2", named_tensors={n: make_tensor(n, dt, sh, 2) for n, (dt, sh) in spec.items()}
+        )
         eng.call("fault", mode="raise", tensor=VICTIM)
         try:
             ps.update("v2", req)
@@ -100,11 +113,16 @@ def cuda_scenario(rank: int, world: int, run_dir: str, device: str = "cuda") -> 
         from k2_ckpt.worker import update_weights_from_ipc
 
         local = build_module(spec, dev)
-        ps.update("v2", lambda h: update_weights_from_ipc(h[ps.device_id], ModuleAdapter(local), device=dev),
-                  req_on_all_ranks=True)
+        ps.update(
+            "v2",
+            lambda h: update_weights_from_ipc(h[ps.device_id], ModuleAdapter(local), device=dev),
+            req_on_all_ranks=True,
+        )
         want = {n: make_tensor(n, dt, sh, 2) for n, (dt, sh) in spec.items()}
         sd = local.state_dict()
-        out["in_process_bad"] = sorted(n for n in spec if not torch.equal(as_bytes(sd[n].cpu()), as_bytes(want[n])))
+        out["in_process_bad"] = sorted(
+            n for n in spec if not torch.equal(as_bytes(sd[n].cpu()), as_bytes(want[n]))
+        )
         ps.close()
         return out
     finally:
@@ -147,8 +165,9 @@ def test_cuda_scenario_dry_run_on_cpu(tmp_path):
 def test_cuda_model_bench_verifies_and_reports_h2d():
     from k2_ckpt.bench import ModelBenchConfig, run_model_bench
 
-    res = run_model_bench(ModelBenchConfig(device="cuda", ranks=1, params=2e7, bucket_mb=4, repeats=2),
-                          timeout_s=200)
+    res = run_model_bench(
+        ModelBenchConfig(device="cuda", ranks=1, params=2e7, bucket_mb=4, repeats=2), timeout_s=200
+    )
     assert res["verified"] is True and res["mismatched"] == []
     assert res["params"] == pytest.approx(2e7, rel=0.05) and res["num_buckets"] >= 10
     assert res["ratio"] == pytest.approx(res["update_gbps"] / res["raw_broadcast_gbps"], rel=1e-9)

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks import the scenarios by module name
-import k2ckpt_scenarios as S  # noqa: E402
-from k2_ckpt.launch import run_world  # noqa: E402
+import k2ckpt_scenarios as S
+from k2_ckpt.launch import run_world
 
 pytestmark = pytest.mark.dist
 

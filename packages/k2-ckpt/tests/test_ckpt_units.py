@@ -20,7 +20,9 @@ def _metas(sizes_by_owner: dict[int, list[int]]) -> list[TensorMeta]:
     out = []
     for owner, sizes in sizes_by_owner.items():
         for i, n in enumerate(sizes):
-            out.append(TensorMeta(name=f"r{owner}.t{i}", dtype="uint8", shape=[n], owner=owner, offset=0, nbytes=n))
+            out.append(
+                TensorMeta(name=f"r{owner}.t{i}", dtype="uint8", shape=[n], owner=owner, offset=0, nbytes=n)
+            )
     return out
 
 
@@ -69,7 +71,9 @@ def test_plan_packs_small_tensors_densely():
     assert len(plan) == math.ceil(64 * 256 / 4096)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int64", "bool"])
+@pytest.mark.parametrize(
+    "dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int64", "bool"]
+)
 def test_byte_views_roundtrip_bitwise(dtype):
     t = make_tensor("x", dtype, [7, 5], 3)
     b = as_bytes(t)
@@ -87,8 +91,10 @@ def test_dtype_errors_name_the_dtype():
 
 
 def test_safetensors_files_are_mapped_bitwise(tmp_path):
-    tensors = {f"w.{d}": make_tensor(f"w.{d}", d, [33, 17], 1)
-               for d in ["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int32"]}
+    tensors = {
+        f"w.{d}": make_tensor(f"w.{d}", d, [33, 17], 1)
+        for d in ["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int32"]
+    }
     path = tmp_path / "a.safetensors"
     save_file(tensors, str(path))
     ref = load_file(str(path))
@@ -106,7 +112,9 @@ def test_named_tensors_are_copied_not_aliased():
     ck = HostCheckpoint("c", rank=0)
     ck.add_named_tensors({"a": t, "b": t[:, 1]})  # non-contiguous input is fine
     t.add_(100)  # the trainer keeps training: the registered copy must not move
-    assert torch.equal(from_bytes(ck.bytes_by_name["a"], torch.float32, [3, 4]), torch.arange(12.0).reshape(3, 4))
+    assert torch.equal(
+        from_bytes(ck.bytes_by_name["a"], torch.float32, [3, 4]), torch.arange(12.0).reshape(3, 4)
+    )
     assert torch.equal(from_bytes(ck.bytes_by_name["b"], torch.float32, [3]), torch.tensor([1.0, 5.0, 9.0]))
     assert all(m.offset % ALIGN == 0 for m in ck.metas)
 
@@ -132,11 +140,20 @@ def _safetensors_bytes(header: dict, data: bytes) -> bytes:
     return struct.pack("<Q", len(head)) + head + data
 
 
-@pytest.mark.parametrize("entry, message", [
-    ({"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 8]}, r"'w' spans 8 bytes, but F32 \[4, 4\] needs 64"),
-    ({"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}, r"'w' has data_offsets \[8, 0\]"),
-    ({"dtype": "F32", "shape": [32], "data_offsets": [0, 128]}, r"'w' ends at byte \d+, past the file end"),
-])
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        (
+            {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 8]},
+            r"'w' spans 8 bytes, but F32 \[4, 4\] needs 64",
+        ),
+        ({"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}, r"'w' has data_offsets \[8, 0\]"),
+        (
+            {"dtype": "F32", "shape": [32], "data_offsets": [0, 128]},
+            r"'w' ends at byte \d+, past the file end",
+        ),
+    ],
+)
 def test_safetensors_entries_must_match_their_byte_range(tmp_path, entry, message):
     path = tmp_path / "lying.safetensors"
     path.write_bytes(_safetensors_bytes({"w": entry}, bytes(64)))
@@ -156,13 +173,17 @@ def test_stale_buffer_files_of_dead_processes_are_swept(tmp_path):
         pytest.skip("no /proc/self/ns/pid here")
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid that no longer runs
-    files = {who: tmp_path / f"k2ckpt-{ns}-{pid}-0123abcd.buf" for who, pid in
-             (("dead", dead.pid), ("me", os.getpid()), ("init", 1))}
+    files = {
+        who: tmp_path / f"k2ckpt-{ns}-{pid}-0123abcd.buf"
+        for who, pid in (("dead", dead.pid), ("me", os.getpid()), ("init", 1))
+    }
     other_ns = tmp_path / f"k2ckpt-{ns}1-{dead.pid}-0123abcd.buf"  # another namespace: not ours to judge
     for f in [*files.values(), other_ns]:
         f.write_bytes(b"x")
     assert sweep_stale_files(str(tmp_path)) == [str(files["dead"])]
-    assert not files["dead"].exists() and files["me"].exists() and files["init"].exists() and other_ns.exists()
+    assert (
+        not files["dead"].exists() and files["me"].exists() and files["init"].exists() and other_ns.exists()
+    )
 
 
 def test_assign_commit_gives_tensors_a_later_commit_does_not_carry_their_own_memory():
@@ -191,9 +212,11 @@ def test_module_adapter_abort_forgets_half_received_fp8_pairs():
 
 
 def test_module_adapter_loads_by_hf_name_bitwise():
-    spec = {"model.layers.0.self_attn.q_a_proj.weight": ("bfloat16", [8, 16]),
-            "model.layers.0.mlp.gate.e_score_correction_bias": ("float32", [4]),
-            "model.layers.1.mlp.experts.3.up_proj.weight": ("float8_e4m3fn", [4, 8])}
+    spec = {
+        "model.layers.0.self_attn.q_a_proj.weight": ("bfloat16", [8, 16]),
+        "model.layers.0.mlp.gate.e_score_correction_bias": ("float32", [4]),
+        "model.layers.1.mlp.experts.3.up_proj.weight": ("float8_e4m3fn", [4, 8]),
+    }
     module = build_module(spec)
     ad = ModuleAdapter(module)
     new = {n: make_tensor(n, dt, sh, 7) for n, (dt, sh) in spec.items()}
@@ -273,8 +296,20 @@ def test_module_adapter_reports_fp8_without_scale():
 
 
 def test_update_error_names_rank_tensor_and_remote_traceback():
-    e = UpdateError("ck", [RankFailure(rank=2, kind="worker_error", message="boom", bucket=5, tensor="x.weight",
-                                       traceback="Traceback ...\nRuntimeError: boom")], {2: ["a"]})
+    e = UpdateError(
+        "ck",
+        [
+            RankFailure(
+                rank=2,
+                kind="worker_error",
+                message="boom",
+                bucket=5,
+                tensor="x.weight",
+                traceback="Traceback ...\nRuntimeError: boom",
+            )
+        ],
+        {2: ["a"]},
+    )
     text = str(e)
     assert "rank 2" in text and "bucket 5" in text and "'x.weight'" in text and "RuntimeError: boom" in text
     assert e.status == 502 and e.applied == {2: ["a"]}
@@ -311,18 +346,22 @@ def test_receiver_gives_up_at_once_when_the_server_goes_away(tmp_path):
         t0 = time.monotonic()
         try:
             update_weights_from_ipc(address, ModuleAdapter(module), timeout_s=60, zmq_ctx=ctx)
-        except Exception as e:  # noqa: BLE001 - checked below
+        except Exception as e:
             result["error"] = e
         result["seconds"] = time.monotonic() - t0
 
     th = threading.Thread(target=receive)
     th.start()
     try:
-        server.send(BufferMsg(handle=buf.handle(), slot_bytes=1024, num_slots=2, checkpoint="c",
-                              num_buckets=2).model_dump_json().encode())
+        server.send(
+            BufferMsg(handle=buf.handle(), slot_bytes=1024, num_slots=2, checkpoint="c", num_buckets=2)
+            .model_dump_json()
+            .encode()
+        )
         assert server.poll(10_000) and b"ready" in server.recv()
-        item = BucketItem(name="a", dtype="float32", shape=[16], tensor_nbytes=64, chunk_start=0, nbytes=64,
-                          buf_offset=0)
+        item = BucketItem(
+            name="a", dtype="float32", shape=[16], tensor_nbytes=64, chunk_start=0, nbytes=64, buf_offset=0
+        )
         server.send(BucketMsg.of(0, 0, [item]).model_dump_json().encode())
         assert server.poll(10_000) and b"ack" in server.recv()
         server.close(linger=0)  # the server process "dies" before bucket 1 and the commit
@@ -330,7 +369,9 @@ def test_receiver_gives_up_at_once_when_the_server_goes_away(tmp_path):
     finally:
         buf.close()
     assert isinstance(result.get("error"), UpdateAborted), result
-    assert "closed the connection" in str(result["error"]) and "old weights are intact" in str(result["error"])
+    assert "closed the connection" in str(result["error"]) and "old weights are intact" in str(
+        result["error"]
+    )
     assert result["seconds"] < 10, result["seconds"]
     assert torch.equal(module.a, torch.zeros(16)), "a staged tensor was applied without a commit"
     ctx.term()
@@ -349,7 +390,7 @@ def test_receiver_views_equal_byte_slices(dtype):
     for shape, offset in (([], 256), ([0, 5], 512), ([3, 1, 7], 768), ([17], 1024), ([5, 9], 8)):
         n = nbytes_of(dt, shape)
         got = recv._view(buf, offset, n, dt, shape)
-        want = from_bytes(buf[offset:offset + n], dt, shape)
+        want = from_bytes(buf[offset : offset + n], dt, shape)
         assert got.dtype == dt and got.shape == want.shape and got.is_contiguous()
         assert got.data_ptr() == want.data_ptr() and torch.equal(as_bytes(got), as_bytes(want))
     if dt.itemsize > 1:  # misaligned (never planned: offsets are 256-aligned): refused, as by slicing

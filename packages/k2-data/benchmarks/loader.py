@@ -15,11 +15,15 @@ import time
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--data", help="a tokenized dir (default: tokenize the stdlib corpus into a temp dir)")
+    parser.add_argument(
+        "--data", help="a tokenized dir (default: tokenize the stdlib corpus into a temp dir)"
+    )
     args = parser.parse_args()
 
     import torch
@@ -59,7 +63,9 @@ def main() -> int:
             t0 = time.perf_counter()
             # the loader's labels are already the next tokens: plain cross-entropy, no shift
             logits = model(input_ids=batch["input_ids"]).logits
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["shift_labels"].flatten())
+            loss = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1).float(), batch["shift_labels"].flatten()
+            )
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -69,7 +75,9 @@ def main() -> int:
         step_ms = 1000 * sorted(times)[len(times) // 2]
         rows.append(("tiny K2 train step (median, fp32 CPU)", step_ms))
 
-    print(f"batch {args.batch} x seq_len {args.seq_len}, document_mask on, torch threads {torch.get_num_threads()}")
+    print(
+        f"batch {args.batch} x seq_len {args.seq_len}, document_mask on, torch threads {torch.get_num_threads()}"
+    )
     print("| what | ms per step | share of the model step |\n|---|---|---|")
     for name, ms in rows:
         share = ms / step_ms if step_ms == step_ms else float("nan")

@@ -68,9 +68,18 @@ def mixed_corpus(tmp_path: Path) -> dict:
     table = pa.table({"content": ["import os\nprint(os.getcwd())\n", texts["bisect.py"]]})
     with pa.OSFile(str(arf), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:  # HF datasets style
         w.write_table(table)
-    return {"dir": root, "docs": docs, "bad": [(str(jl), "3"), (str(jl), "5")],
-            "table_docs": {f"{pqf}#0": texts["this.py"], f"{pqf}#1": "x = 1\n", f"{pqf}#2": texts["json/scanner.py"],
-                           f"{arf}#0": "import os\nprint(os.getcwd())\n", f"{arf}#1": texts["bisect.py"]}}
+    return {
+        "dir": root,
+        "docs": docs,
+        "bad": [(str(jl), "3"), (str(jl), "5")],
+        "table_docs": {
+            f"{pqf}#0": texts["this.py"],
+            f"{pqf}#1": "x = 1\n",
+            f"{pqf}#2": texts["json/scanner.py"],
+            f"{arf}#0": "import os\nprint(os.getcwd())\n",
+            f"{arf}#1": texts["bisect.py"],
+        },
+    }
 
 
 @pytest.fixture(scope="session")

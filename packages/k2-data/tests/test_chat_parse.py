@@ -25,8 +25,13 @@ def test_one_call_with_content_before():
     text = "Let me check." + SB + call("get_weather", 0, '{"city": "Paris"}') + SE
     content, calls = parse_tool_calls(text)
     assert content == "Let me check."
-    assert calls == [{"id": "functions.get_weather:0", "type": "function",
-                      "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    assert calls == [
+        {
+            "id": "functions.get_weather:0",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        }
+    ]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
 
 
@@ -34,8 +39,10 @@ def test_several_calls_whitespace_and_trailing_text():
     # newlines between markers (as some templates/servers print them) are allowed; arguments are kept
     # verbatim except for surrounding whitespace; text after the section is content too
     args2 = '{\n  "q": "k2 \\"moe\\"",\n  "n": [1, 2.5, null],\n  "deep": {"x": {"y": true}}\n}'
-    text = (f"A{SB}\n{CB} functions.search:0 {AB} {{\"q\":\"a\"}} {CE}\n"
-            f"{CB}functions.search:1{AB}\n{args2}\n{CE}\n{call('get_time', 2, '{}', prefix='')}\n{SE}B")
+    text = (
+        f'A{SB}\n{CB} functions.search:0 {AB} {{"q":"a"}} {CE}\n'
+        f"{CB}functions.search:1{AB}\n{args2}\n{CE}\n{call('get_time', 2, '{}', prefix='')}\n{SE}B"
+    )
     content, calls = parse_tool_calls(text)
     assert content == "AB"
     assert [c["id"] for c in calls] == ["functions.search:0", "functions.search:1", "get_time:2"]
@@ -55,7 +62,7 @@ MALFORMED = {
     "truncated JSON": SB + call("f", 0, '{"a": ') + SE,
     "missing argument marker": SB + f'{CB}functions.f:0{{"a": 1}}{CE}' + SE,
     "missing call end": SB + f'{CB}functions.f:0{AB}{{"a": 1}}' + SE,
-    "call end missing before next call": SB + f'{CB}functions.f:0{AB}{{}}' + call("g", 1, "{}") + SE,
+    "call end missing before next call": SB + f"{CB}functions.f:0{AB}{{}}" + call("g", 1, "{}") + SE,
     "arguments not an object": SB + call("f", 0, "[1, 2]") + SE,
     "header without index": SB + f"{CB}functions.f{AB}{{}}{CE}" + SE,
     "header with spaces": SB + f"{CB}functions.my tool:0{AB}{{}}{CE}" + SE,
@@ -86,10 +93,19 @@ def test_good_section_after_a_malformed_one():
 
 def test_round_trip_render_then_parse():
     calls = [
-        {"id": "functions.get_weather:0", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Zürich", "unit": "c"}'}},
-        {"id": "functions.run_code:1", "type": "function",
-         "function": {"name": "run_code", "arguments": json.dumps({"src": "print('<|im_middle|>'[:2])\n"})}},
+        {
+            "id": "functions.get_weather:0",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Zürich", "unit": "c"}'},
+        },
+        {
+            "id": "functions.run_code:1",
+            "type": "function",
+            "function": {
+                "name": "run_code",
+                "arguments": json.dumps({"src": "print('<|im_middle|>'[:2])\n"}),
+            },
+        },
     ]
     msg = {"role": "assistant", "content": "Two things first.", "tool_calls": calls}
     text = render([{"role": "system", "content": "s"}, msg])
@@ -97,20 +113,39 @@ def test_round_trip_render_then_parse():
     assert parse_tool_calls(body) == ("Two things first.", calls)
     # and back: the parsed turn re-renders to the same text (ids and verbatim arguments preserved)
     content, parsed = parse_tool_calls(body)
-    assert render([{"role": "system", "content": "s"}, {"role": "assistant", "content": content, "tool_calls": parsed}]) == text
+    assert (
+        render(
+            [
+                {"role": "system", "content": "s"},
+                {"role": "assistant", "content": content, "tool_calls": parsed},
+            ]
+        )
+        == text
+    )
 
 
 def test_round_trip_client_ids_and_object_arguments():
     # an OpenAI client's ids are rendered K2-style; parsing gives those ids and equal argument objects
-    msg = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "a", "arguments": {"k": [1, {"z": None}]}}},
-        {"id": "call_2", "type": "function", "function": {"name": "b", "arguments": "{}"}}]}
+    msg = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "a", "arguments": {"k": [1, {"z": None}]}},
+            },
+            {"id": "call_2", "type": "function", "function": {"name": "b", "arguments": "{}"}},
+        ],
+    }
     text = render([{"role": "user", "content": "u"}, msg])
     body = text.split("<|im_assistant|>assistant<|im_middle|>", 1)[1].removesuffix("<|im_end|>")
     content, calls = parse_tool_calls(body)
     assert content == ""
     assert [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("functions.a:0", "a", {"k": [1, {"z": None}]}), ("functions.b:1", "b", {})]
+        ("functions.a:0", "a", {"k": [1, {"z": None}]}),
+        ("functions.b:1", "b", {}),
+    ]
 
 
 def test_non_string_input_is_a_type_error():

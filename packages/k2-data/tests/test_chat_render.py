@@ -27,14 +27,29 @@ WEATHER_TOOL = {
 
 CONVERSATION = [
     {"role": "user", "content": "Weather in Paris and Rome?"},
-    {"role": "assistant", "content": "Checking.", "tool_calls": [
-        {"id": "functions.get_weather:0", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-        {"id": "call_abc", "type": "function",
-         "function": {"name": "get_weather", "arguments": {"city": "Rome"}}},
-    ]},
+    {
+        "role": "assistant",
+        "content": "Checking.",
+        "tool_calls": [
+            {
+                "id": "functions.get_weather:0",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            },
+            {
+                "id": "call_abc",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Rome"}},
+            },
+        ],
+    },
     {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny, 21C"},
-    {"role": "tool", "tool_call_id": "call_abc", "name": "weather_api", "content": [{"type": "text", "text": "rain"}]},
+    {
+        "role": "tool",
+        "tool_call_id": "call_abc",
+        "name": "weather_api",
+        "content": [{"type": "text", "text": "rain"}],
+    },
     {"role": "assistant", "content": "Paris is sunny, Rome is rainy."},
 ]
 
@@ -70,9 +85,15 @@ def test_system_prompt_and_names():
     )
     # a system message that is not first does not suppress the default (the template checks messages[0])
     msgs = [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]
-    assert render(msgs) == SYS + "<|im_user|>user<|im_middle|>hi<|im_end|><|im_system|>system<|im_middle|>late<|im_end|>"
+    assert (
+        render(msgs)
+        == SYS + "<|im_user|>user<|im_middle|>hi<|im_end|><|im_system|>system<|im_middle|>late<|im_end|>"
+    )
     # no tools (None or []) -> no tool_declare turn
-    assert render([{"role": "user", "content": "x"}], tools=[]) == SYS + "<|im_user|>user<|im_middle|>x<|im_end|>"
+    assert (
+        render([{"role": "user", "content": "x"}], tools=[])
+        == SYS + "<|im_user|>user<|im_middle|>x<|im_end|>"
+    )
 
 
 def test_content_parts_and_tool_result_names():
@@ -82,8 +103,10 @@ def test_content_parts_and_tool_result_names():
     out = render([{"role": "user", "content": "q"}, {"role": "tool", "tool_call_id": "x:1", "content": "r"}])
     assert out.endswith("<|im_system|>tool<|im_middle|>## Return of x:1\nr<|im_end|>")
     # an assistant turn with tool calls and no content renders nothing before the section
-    msgs = [{"role": "user", "content": "q"},
-            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]
+    msgs = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+    ]
     assert render(msgs).endswith(
         "<|im_assistant|>assistant<|im_middle|><|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
         "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
@@ -94,11 +117,19 @@ def test_call_ids_count_across_the_conversation():
     # ids that are not K2-shaped (or name another function) get functions.NAME:IDX with IDX = calls so far
     msgs = [
         {"role": "user", "content": "q"},
-        {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "{}"}},
-                                             {"id": "functions.g:7", "function": {"name": "g", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "a", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "functions.g:7", "function": {"name": "g", "arguments": "{}"}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "a", "content": "1"},
         {"role": "tool", "tool_call_id": "functions.g:7", "content": "2"},
-        {"role": "assistant", "tool_calls": [{"id": "functions.g:0", "function": {"name": "h", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "functions.g:0", "function": {"name": "h", "arguments": "{}"}}],
+        },
         {"role": "tool", "tool_call_id": "functions.g:0", "content": "3"},
     ]
     out = render(msgs)
@@ -111,7 +142,10 @@ def test_call_ids_count_across_the_conversation():
 
 
 def test_tools_json_sorted_compact():
-    tools = [WEATHER_TOOL, {"type": "function", "function": {"name": "z", "parameters": {"b": 1, "a": [1, 2]}}}]
+    tools = [
+        WEATHER_TOOL,
+        {"type": "function", "function": {"name": "z", "parameters": {"b": 1, "a": [1, 2]}}},
+    ]
     s = tools_json(tools)
     assert json.loads(s) == tools
     assert s == json.dumps(tools, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -127,18 +161,47 @@ def test_tools_json_sorted_compact():
         ([{"content": "x"}], r"messages\[0\]: field 'role'"),
         ([{"role": "user", "content": "x"}, {"role": "user"}], r"messages\[1\]: field 'content' is missing"),
         ([{"role": "assistant", "content": None}], r"messages\[0\]: field 'content' is missing"),
-        ([{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}], r"messages\[1\]: a tool message needs field 'tool_call_id'"),
+        (
+            [{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}],
+            r"messages\[1\]: a tool message needs field 'tool_call_id'",
+        ),
         ([{"role": "user", "content": 5}], r"messages\[0\]: field 'content' must be a string or a list"),
-        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], r"messages\[0\]: field 'content\[0\].type'"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            r"messages\[0\]: field 'content\[0\].type'",
+        ),
         ([{"role": "user", "content": [{"type": "text"}]}], r"content\[0\].text' must be a string"),
         ([{"role": "user", "name": "", "content": "x"}], r"messages\[0\]: field 'name'"),
         (["hi"], r"messages\[0\] must be an object"),
-        ([{"role": "user", "content": "x", "tool_calls": [{}]}], r"messages\[0\]: field 'tool_calls' is only allowed"),
-        ([{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}], r"messages\[0\].tool_calls\[0\]: field 'function.name'"),
-        ([{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}], r"messages\[0\].tool_calls\[0\]: field 'function.arguments' is missing"),
-        ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]}], r"tool_calls\[0\]: field 'function.arguments' must be"),
-        ([{"role": "assistant", "tool_calls": [{"type": "code", "function": {"name": "f", "arguments": "{}"}}]}], r"tool_calls\[0\]: field 'type'"),
-        ([{"role": "assistant", "tool_calls": {"function": {}}}], r"messages\[0\]: field 'tool_calls' must be a list"),
+        (
+            [{"role": "user", "content": "x", "tool_calls": [{}]}],
+            r"messages\[0\]: field 'tool_calls' is only allowed",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}],
+            r"messages\[0\].tool_calls\[0\]: field 'function.name'",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}],
+            r"messages\[0\].tool_calls\[0\]: field 'function.arguments' is missing",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]}],
+            r"tool_calls\[0\]: field 'function.arguments' must be",
+        ),
+        (
+            [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"type": "code", "function": {"name": "f", "arguments": "{}"}}],
+                }
+            ],
+            r"tool_calls\[0\]: field 'type'",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": {"function": {}}}],
+            r"messages\[0\]: field 'tool_calls' must be a list",
+        ),
     ],
 )
 def test_malformed_messages_name_the_field(messages, match):
@@ -156,10 +219,18 @@ def test_malformed_tools_are_named():
 # ----------------------------------------------------------------------------- token ids
 
 # MISSION.md's table of K2's special-token ids
-K2_IDS = {"<|im_end|>": 163586, "<|im_user|>": 163587, "<|im_assistant|>": 163588, "<|im_system|>": 163594,
-          "<|tool_calls_section_begin|>": 163595, "<|tool_calls_section_end|>": 163596,
-          "<|tool_call_begin|>": 163597, "<|tool_call_argument_begin|>": 163598, "<|tool_call_end|>": 163599,
-          "<|im_middle|>": 163601}
+K2_IDS = {
+    "<|im_end|>": 163586,
+    "<|im_user|>": 163587,
+    "<|im_assistant|>": 163588,
+    "<|im_system|>": 163594,
+    "<|tool_calls_section_begin|>": 163595,
+    "<|tool_calls_section_end|>": 163596,
+    "<|tool_call_begin|>": 163597,
+    "<|tool_call_argument_begin|>": 163598,
+    "<|tool_call_end|>": 163599,
+    "<|im_middle|>": 163601,
+}
 
 
 @pytest.fixture(scope="module")
@@ -182,16 +253,45 @@ def _expected_ids(pieces: list[str], marker_ids: dict[str, int]) -> list[int]:
 def test_render_ids_k2_real_layout(k2_layout_tokenizer):
     tok = k2_layout_tokenizer
     assert tok.vocab_size == 163840
-    msgs = [{"role": "user", "content": "météo?"},
-            {"role": "assistant", "tool_calls": [{"id": "functions.w:0", "function": {"name": "w", "arguments": '{"c":1}'}}]},
-            {"role": "tool", "tool_call_id": "functions.w:0", "content": "ok"}]
-    pieces = ["<|im_system|>", "system", "<|im_middle|>", "You are Kimi, an AI assistant created by Moonshot AI.", "<|im_end|>",
-              "<|im_user|>", "user", "<|im_middle|>", "météo?", "<|im_end|>",
-              "<|im_assistant|>", "assistant", "<|im_middle|>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
-              "functions.w:0", "<|tool_call_argument_begin|>", '{"c":1}', "<|tool_call_end|>",
-              "<|tool_calls_section_end|>", "<|im_end|>",
-              "<|im_system|>", "w", "<|im_middle|>", "## Return of functions.w:0\nok", "<|im_end|>",
-              "<|im_assistant|>", "assistant", "<|im_middle|>"]
+    msgs = [
+        {"role": "user", "content": "météo?"},
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "functions.w:0", "function": {"name": "w", "arguments": '{"c":1}'}}],
+        },
+        {"role": "tool", "tool_call_id": "functions.w:0", "content": "ok"},
+    ]
+    pieces = [
+        "<|im_system|>",
+        "system",
+        "<|im_middle|>",
+        "You are Kimi, an AI assistant created by Moonshot AI.",
+        "<|im_end|>",
+        "<|im_user|>",
+        "user",
+        "<|im_middle|>",
+        "météo?",
+        "<|im_end|>",
+        "<|im_assistant|>",
+        "assistant",
+        "<|im_middle|>",
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_begin|>",
+        "functions.w:0",
+        "<|tool_call_argument_begin|>",
+        '{"c":1}',
+        "<|tool_call_end|>",
+        "<|tool_calls_section_end|>",
+        "<|im_end|>",
+        "<|im_system|>",
+        "w",
+        "<|im_middle|>",
+        "## Return of functions.w:0\nok",
+        "<|im_end|>",
+        "<|im_assistant|>",
+        "assistant",
+        "<|im_middle|>",
+    ]
     ids = render_ids(tok, msgs, add_generation_prompt=True)
     assert ids == _expected_ids(pieces, K2_IDS)
     assert encode_chat(tok, msgs, add_generation_prompt=True) == ids
@@ -214,7 +314,7 @@ def test_render_ids_shipped_bpe():
     # tool_declare, default system, user, assistant, 2 tool results, assistant, user: 8 turns
     assert marker_ids.count(shipped["<|im_end|>"]) == 8 and marker_ids[0] == shipped["<|im_system|>"] == 7946
     tail = [shipped["<|im_assistant|>"], *tok.encode("assistant"), shipped["<|im_middle|>"]]
-    assert ids[-len(tail):] == tail
+    assert ids[-len(tail) :] == tail
 
 
 def test_marker_strings_in_content_stay_text():
@@ -230,7 +330,9 @@ def test_marker_strings_in_content_stay_text():
 # ----------------------------------------------------------------------------- SFT loss mask
 
 
-def _expected_ids_and_mask(pieces: list[tuple[str, int]], marker_ids: dict[str, int]) -> tuple[list[int], list[int]]:
+def _expected_ids_and_mask(
+    pieces: list[tuple[str, int]], marker_ids: dict[str, int]
+) -> tuple[list[int], list[int]]:
     """(ids, mask) of hand-written (piece, trained) pairs under the byte-only ranks: a marker is one id, text
     one id per UTF-8 byte, each with its piece's flag."""
     ids, mask = [], []
@@ -244,26 +346,70 @@ def _expected_ids_and_mask(pieces: list[tuple[str, int]], marker_ids: dict[str, 
 def test_loss_mask_by_hand_k2_layout(k2_layout_tokenizer):
     tok = k2_layout_tokenizer
     tools = [{"type": "function", "function": {"name": "w", "parameters": {}}}]
-    msgs = [{"role": "system", "content": "S"},
-            {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "ok", "tool_calls": [{"id": "call_1", "function": {"name": "w", "arguments": '{"c":1}'}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "r"},
-            {"role": "assistant", "content": "done"},
-            {"role": "user", "content": "<|im_end|>"},  # a marker string typed by the user stays untrained text
-            {"role": "assistant", "content": "bye"}]
-    pieces = [("<|im_system|>", 0), ("tool_declare", 0), ("<|im_middle|>", 0), (tools_json(tools), 0), ("<|im_end|>", 0),
-              ("<|im_system|>", 0), ("system", 0), ("<|im_middle|>", 0), ("S", 0), ("<|im_end|>", 0),
-              ("<|im_user|>", 0), ("user", 0), ("<|im_middle|>", 0), ("hi", 0), ("<|im_end|>", 0),
-              ("<|im_assistant|>", 0), ("assistant", 0), ("<|im_middle|>", 0),
-              ("ok", 1), ("<|tool_calls_section_begin|>", 1), ("<|tool_call_begin|>", 1), ("functions.w:0", 1),
-              ("<|tool_call_argument_begin|>", 1), ('{"c":1}', 1), ("<|tool_call_end|>", 1),
-              ("<|tool_calls_section_end|>", 1), ("<|im_end|>", 1),
-              ("<|im_system|>", 0), ("w", 0), ("<|im_middle|>", 0), ("## Return of functions.w:0\nr", 0), ("<|im_end|>", 0),
-              ("<|im_assistant|>", 0), ("assistant", 0), ("<|im_middle|>", 0), ("done", 1), ("<|im_end|>", 1),
-              ("<|im_user|>", 0), ("user", 0), ("<|im_middle|>", 0)]
+    msgs = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "ok",
+            "tool_calls": [{"id": "call_1", "function": {"name": "w", "arguments": '{"c":1}'}}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "r"},
+        {"role": "assistant", "content": "done"},
+        {"role": "user", "content": "<|im_end|>"},  # a marker string typed by the user stays untrained text
+        {"role": "assistant", "content": "bye"},
+    ]
+    pieces = [
+        ("<|im_system|>", 0),
+        ("tool_declare", 0),
+        ("<|im_middle|>", 0),
+        (tools_json(tools), 0),
+        ("<|im_end|>", 0),
+        ("<|im_system|>", 0),
+        ("system", 0),
+        ("<|im_middle|>", 0),
+        ("S", 0),
+        ("<|im_end|>", 0),
+        ("<|im_user|>", 0),
+        ("user", 0),
+        ("<|im_middle|>", 0),
+        ("hi", 0),
+        ("<|im_end|>", 0),
+        ("<|im_assistant|>", 0),
+        ("assistant", 0),
+        ("<|im_middle|>", 0),
+        ("ok", 1),
+        ("<|tool_calls_section_begin|>", 1),
+        ("<|tool_call_begin|>", 1),
+        ("functions.w:0", 1),
+        ("<|tool_call_argument_begin|>", 1),
+        ('{"c":1}', 1),
+        ("<|tool_call_end|>", 1),
+        ("<|tool_calls_section_end|>", 1),
+        ("<|im_end|>", 1),
+        ("<|im_system|>", 0),
+        ("w", 0),
+        ("<|im_middle|>", 0),
+        ("## Return of functions.w:0\nr", 0),
+        ("<|im_end|>", 0),
+        ("<|im_assistant|>", 0),
+        ("assistant", 0),
+        ("<|im_middle|>", 0),
+        ("done", 1),
+        ("<|im_end|>", 1),
+        ("<|im_user|>", 0),
+        ("user", 0),
+        ("<|im_middle|>", 0),
+    ]
     pieces += [(ch, 0) for ch in "<|im_end|>"]  # as text, byte by byte
-    pieces += [("<|im_end|>", 0), ("<|im_assistant|>", 0), ("assistant", 0), ("<|im_middle|>", 0), ("bye", 1),
-               ("<|im_end|>", 1)]
+    pieces += [
+        ("<|im_end|>", 0),
+        ("<|im_assistant|>", 0),
+        ("assistant", 0),
+        ("<|im_middle|>", 0),
+        ("bye", 1),
+        ("<|im_end|>", 1),
+    ]
     want_ids, want_mask = _expected_ids_and_mask(pieces, K2_IDS)
     ids, mask = render_ids_with_mask(tok, msgs, tools)
     assert ids == render_ids(tok, msgs, tools) == want_ids
@@ -278,9 +424,11 @@ def test_loss_mask_shipped_bpe_equals_render_ids():
     assert ids == render_ids(tok, CONVERSATION, [WEATHER_TOOL])
     assert len(mask) == len(ids) and set(mask) == {0, 1}
     # the trained tokens decode to exactly the two assistant bodies, each with its <|im_end|>
-    first = ('Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
-             '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>'
-             '{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>')
+    first = (
+        "Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+        '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>'
+        '{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
+    )
     second = "Paris is sunny, Rome is rainy.<|im_end|>"
     trained = [i for i, m in zip(ids, mask) if m]
     assert tok.decode(trained) == first + second
@@ -303,4 +451,6 @@ def test_text_runs_never_straddle_the_mask_boundary():
             assert f0 == f1, (t0, t1)
     # and the encoder refuses a run that would mix them (one BPE call over trained + untrained text)
     with pytest.raises(AssertionError, match="spans a trainable/untrainable boundary"):
-        _tagged_to_ids(load_tokenizer(), [("<|im_middle|>", True, False), ("ab", False, False), ("cd", False, True)])
+        _tagged_to_ids(
+            load_tokenizer(), [("<|im_middle|>", True, False), ("ab", False, False), ("cd", False, True)]
+        )

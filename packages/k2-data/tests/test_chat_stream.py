@@ -25,8 +25,20 @@ def call(name: str, idx: int, args: str) -> str:
 TEXTS = {
     "content only": "Just an answer, with <|tool_call no section. 你好",
     "one call": "Let me look. " + SB + call("get_weather", 0, '{"city": "Paris", "days": [1, 2]}') + SE,
-    "two calls": SB + call("a", 0, '{"x": "<|tool_call_end"}') + "\n" + call("b", 1, '{\n "y": {"z": null}\n}') + SE,
-    "calls then text": "pre" + SB + call("f", 0, "{}") + SE + " post " + SB + call("g", 1, '{"k": "ü"}') + SE + "!",
+    "two calls": SB
+    + call("a", 0, '{"x": "<|tool_call_end"}')
+    + "\n"
+    + call("b", 1, '{\n "y": {"z": null}\n}')
+    + SE,
+    "calls then text": "pre"
+    + SB
+    + call("f", 0, "{}")
+    + SE
+    + " post "
+    + SB
+    + call("g", 1, '{"k": "ü"}')
+    + SE
+    + "!",
     "partial marker in content": "a <|tool_calls_sect b <|tool_calls_section_begin c",
     "unterminated": "oops " + SB + call("f", 0, '{"a": 1}'),
     "invalid json": "x" + SB + call("f", 0, '{"a": 1') + SE + "y",
@@ -55,7 +67,9 @@ def check_openai_shape(deltas: list[dict]) -> None:
             continue
         tc = d["tool_calls"][0]
         if tc["index"] not in seen:  # the first delta of a call names it
-            assert tc["index"] == len(seen) and tc["type"] == "function" and tc["id"] and tc["function"]["name"]
+            assert (
+                tc["index"] == len(seen) and tc["type"] == "function" and tc["id"] and tc["function"]["name"]
+            )
             assert tc["function"]["arguments"] == ""
             seen.add(tc["index"])
         else:  # later deltas carry argument text only
@@ -70,7 +84,9 @@ def test_random_splits_equal_whole_parse(name, eager):
     expected = parse_tool_calls(text)
     rng = random.Random(name)
     splits = [[], list(range(1, len(text)))]  # whole text; one character at a time
-    splits += [sorted(rng.sample(range(1, len(text)), rng.randint(1, min(12, len(text) - 1)))) for _ in range(200)]
+    splits += [
+        sorted(rng.sample(range(1, len(text)), rng.randint(1, min(12, len(text) - 1)))) for _ in range(200)
+    ]
     for cuts in splits:
         deltas, called, malformed = stream(text, cuts, eager)
         check_openai_shape(deltas)
@@ -91,10 +107,21 @@ def test_content_streams_live_and_holds_only_a_marker_prefix():
     assert p.feed("Hello") == [{"content": "Hello"}]
     assert p.feed(" wor<|tool_calls") == [{"content": " wor"}]  # "<|tool_calls" may begin a section
     assert p.feed("_x") == [{"content": "<|tool_calls_x"}]  # ...it did not
-    assert p.feed("<|tool_calls_section_begin|>" + CB + "functions.f:0" + AB) == []  # held until the section ends
+    assert (
+        p.feed("<|tool_calls_section_begin|>" + CB + "functions.f:0" + AB) == []
+    )  # held until the section ends
     assert p.feed('{"a": ') == [] and p.feed("1}" + CE) == []
     assert p.feed(SE + "done") == [
-        {"tool_calls": [{"index": 0, "id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": ""}}]},
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "functions.f:0",
+                    "type": "function",
+                    "function": {"name": "f", "arguments": ""},
+                }
+            ]
+        },
         {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": '}}]},  # in the pieces they arrived in
         {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]},
         {"content": "done"},
@@ -132,21 +159,39 @@ def test_stream_of_many_calls_indices_and_arguments():
     content, calls = accumulate_deltas(deltas)
     assert called and content == "plan"
     assert [c["id"] for c in calls] == [f"functions.t{i}:{i}" for i in range(20)]
-    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"i": i, "s": "x" * i} for i in range(20)]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+        {"i": i, "s": "x" * i} for i in range(20)
+    ]
 
 
 def test_eager_mode_announces_calls_and_streams_arguments_live():
     p = ToolCallStreamParser(eager=True)
     assert p.feed("ok" + SB + "\n" + CB + "functions.search:0") == [{"content": "ok"}]
     assert p.feed(AB + ' {"q": "mo') == [  # the call is announced at its argument marker
-        {"tool_calls": [{"index": 0, "id": "functions.search:0", "type": "function",
-                         "function": {"name": "search", "arguments": ""}}]},
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "functions.search:0",
+                    "type": "function",
+                    "function": {"name": "search", "arguments": ""},
+                }
+            ]
+        },
         {"tool_calls": [{"index": 0, "function": {"arguments": '{"q": "mo'}}]},  # leading space dropped
     ]
     assert p.feed('e"}  <|tool_') == [{"tool_calls": [{"index": 0, "function": {"arguments": 'e"}'}}]}]
     assert p.feed("call_end|>" + CB + "functions.b:1" + AB + "{}" + CE) == [
-        {"tool_calls": [{"index": 1, "id": "functions.b:1", "type": "function",
-                         "function": {"name": "b", "arguments": ""}}]},
+        {
+            "tool_calls": [
+                {
+                    "index": 1,
+                    "id": "functions.b:1",
+                    "type": "function",
+                    "function": {"name": "b", "arguments": ""},
+                }
+            ]
+        },
         {"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]},
     ]
     assert not p.tools_called  # not until the section is known to be well-formed
@@ -169,8 +214,20 @@ def test_eager_mode_reports_calls_of_a_malformed_section(caplog):
 def test_fuzzed_texts_agree_in_both_modes():
     # random damage to well-formed output (cut a span, repeat a span, truncate, paste a marker) exercises
     # every malformed path; for each text and split, both modes must agree with the whole-text parse
-    base = ("Sure." + SB + "\n" + call("a", 0, '{"k": [1, {"s": "x y"}]}') + " \n" + call("b", 1, '{}') + SE
-            + " then " + SB + call("c", 2, '{"z": "<|tool_call_end"}') + SE + "end")
+    base = (
+        "Sure."
+        + SB
+        + "\n"
+        + call("a", 0, '{"k": [1, {"s": "x y"}]}')
+        + " \n"
+        + call("b", 1, "{}")
+        + SE
+        + " then "
+        + SB
+        + call("c", 2, '{"z": "<|tool_call_end"}')
+        + SE
+        + "end"
+    )
     markers = [SB, SE, CB, AB, CE]
     rng = random.Random(1234)
     for trial in range(150):
@@ -188,10 +245,18 @@ def test_fuzzed_texts_agree_in_both_modes():
                 text = text[:i] + rng.choice(markers) + text[i:]
         expected = parse_tool_calls(text)
         for _ in range(10):
-            cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 15)))) if len(text) > 1 else []
+            cuts = (
+                sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 15))))
+                if len(text) > 1
+                else []
+            )
             deltas, called, malformed = stream(text, cuts, eager=False)
             assert accumulate_deltas(deltas) == expected and called == bool(expected[1]), (trial, text, cuts)
             deltas, called, malformed = stream(text, cuts, eager=True)
             content, calls = accumulate_deltas(deltas)
-            assert (content, [c for i, c in enumerate(calls) if i not in malformed]) == expected, (trial, text, cuts)
+            assert (content, [c for i, c in enumerate(calls) if i not in malformed]) == expected, (
+                trial,
+                text,
+                cuts,
+            )
             assert called == bool(expected[1])

@@ -28,8 +28,10 @@ def test_help_lists_subcommands(capsys):
 
 def test_tokenize_skip_and_fail(mixed_corpus, tmp_path, capsys):
     jl = mixed_corpus["dir"] / "records.jsonl"
-    code, out, err = _run(["data", "tokenize", str(jl), "--out", str(tmp_path / "a"), "--on-error", "skip",
-                           "--workers", "1"], capsys)
+    code, out, err = _run(
+        ["data", "tokenize", str(jl), "--out", str(tmp_path / "a"), "--on-error", "skip", "--workers", "1"],
+        capsys,
+    )
     assert code == 0 and f"wrote {tmp_path / 'a'}" in out
     assert f"{jl}:3" in err and f"{jl}:5" in err  # each skipped record is named
     m = load_manifest(tmp_path / "a")
@@ -42,16 +44,42 @@ def test_tokenize_skip_and_fail(mixed_corpus, tmp_path, capsys):
 
 
 def test_train_tokenizer_then_use_it(mixed_corpus, tmp_path, capsys):
-    code, out, _ = _run(["data", "train-tokenizer", str(mixed_corpus["dir"] / "txt"), "--out", str(tmp_path / "t"),
-                         "--vocab-size", "700"], capsys)
+    code, out, _ = _run(
+        [
+            "data",
+            "train-tokenizer",
+            str(mixed_corpus["dir"] / "txt"),
+            "--out",
+            str(tmp_path / "t"),
+            "--vocab-size",
+            "700",
+        ],
+        capsys,
+    )
     assert code == 0 and "EOS = 445" in out
     tok = load_tokenizer(tmp_path / "t")
     assert tok.vocab_size == 700 and tok.token_to_id("<|im_end|>") == 444 + 2
-    code, _, _ = _run(["data", "tokenize", str(mixed_corpus["dir"] / "txt"), "--out", str(tmp_path / "d"),
-                       "--tokenizer", str(tmp_path / "t"), "--format", "parquet"], capsys)
+    code, _, _ = _run(
+        [
+            "data",
+            "tokenize",
+            str(mixed_corpus["dir"] / "txt"),
+            "--out",
+            str(tmp_path / "d"),
+            "--tokenizer",
+            str(tmp_path / "t"),
+            "--format",
+            "parquet",
+        ],
+        capsys,
+    )
     assert code == 0
     m = load_manifest(tmp_path / "d")
     assert m["tokenizer"]["vocab_size"] == 700 and m["format"] == "parquet"
     code, out, _ = _run(["data", "inspect", str(tmp_path / "d"), "--json", "--seq-len", "64"], capsys)
     summary = json.loads(out)
-    assert code == 0 and summary["tokens"] == m["num_tokens"] and summary["samples_of_64"] == (m["num_tokens"] + 3 - 1) // 64
+    assert (
+        code == 0
+        and summary["tokens"] == m["num_tokens"]
+        and summary["samples_of_64"] == (m["num_tokens"] + 3 - 1) // 64
+    )

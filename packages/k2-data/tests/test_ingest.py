@@ -41,7 +41,9 @@ def test_text_and_jsonl_rows_equal_reference_encoding(mixed_corpus, tmp_path, fm
     assert {r["source"]: r["input_ids"] for r in rows} == {s: tok.encode(t) for s, t in docs.items()}
     # doc ids: one per input record in input order, bad records keep their (unused) id
     assert [r["doc_id"] for r in rows] == [0, 1, 2, 3, 4, 6]
-    assert manifest["num_docs"] == 6 and manifest["num_tokens"] == sum(len(tok.encode(t)) for t in docs.values())
+    assert manifest["num_docs"] == 6 and manifest["num_tokens"] == sum(
+        len(tok.encode(t)) for t in docs.values()
+    )
     assert len(manifest["shards"]) > 1
     assert manifest["tokenizer"]["sha256"] == tok.fingerprint() and manifest["tokenizer"]["eos_id"] == 7937
     # bad records are reported with file and line, never silently dropped
@@ -57,8 +59,11 @@ def test_same_shards_for_any_worker_count(mixed_corpus, tmp_path):
     outs = []
     for w in (1, 2):
         out = tmp_path / f"w{w}"
-        tokenize_corpus([root / "txt", root / "records.jsonl"], out,
-                        config=TokenizeConfig(workers=w, on_error="skip", shard_bytes=3000))
+        tokenize_corpus(
+            [root / "txt", root / "records.jsonl"],
+            out,
+            config=TokenizeConfig(workers=w, on_error="skip", shard_bytes=3000),
+        )
         outs.append(out)
     m1, m2 = load_manifest(outs[0]), load_manifest(outs[1])
     assert m1["shards"] == m2["shards"] and _rows(outs[0], m1) == _rows(outs[1], m2)
@@ -76,11 +81,16 @@ def test_bad_record_fails_with_file_and_line(mixed_corpus, tmp_path):
 
 def test_parquet_and_arrow_stream_with_text_field(mixed_corpus, tmp_path):
     root = mixed_corpus["dir"]
-    manifest = tokenize_corpus([root / "table.parquet", root / "hf.arrow"], tmp_path / "t",
-                               config=TokenizeConfig(text_field="content", shard_bytes=1500, workers=2))
+    manifest = tokenize_corpus(
+        [root / "table.parquet", root / "hf.arrow"],
+        tmp_path / "t",
+        config=TokenizeConfig(text_field="content", shard_bytes=1500, workers=2),
+    )
     tok = load_tokenizer()
     rows = _rows(tmp_path / "t", manifest)
-    assert {r["source"]: r["input_ids"] for r in rows} == {s: tok.encode(t) for s, t in mixed_corpus["table_docs"].items()}
+    assert {r["source"]: r["input_ids"] for r in rows} == {
+        s: tok.encode(t) for s, t in mixed_corpus["table_docs"].items()
+    }
     assert [r["doc_id"] for r in rows] == list(range(5))
     with pytest.raises(ValueError, match=r"table.parquet: no column 'text' \(columns: content\)"):
         tokenize_corpus([root / "table.parquet"], tmp_path / "t2")
@@ -99,8 +109,9 @@ def test_resume_skips_completed_shards(mixed_corpus, tmp_path):
     (out / f".{victim.name}.abc.tmp").write_bytes(b"partial")  # leftovers of a kill are ignored
     second = tokenize_corpus([root / "txt", root / "records.jsonl"], out, config=cfg)
     assert second["resumed_shards"] == len(shard_files) - 1
-    assert {k: v for k, v in second.items() if k not in ("seconds", "resumed_shards")} == \
-        {k: v for k, v in first.items() if k not in ("seconds", "resumed_shards")}
+    assert {k: v for k, v in second.items() if k not in ("seconds", "resumed_shards")} == {
+        k: v for k, v in first.items() if k not in ("seconds", "resumed_shards")
+    }
     for p in shard_files:
         if p != victim:
             assert p.stat().st_mtime_ns == mtimes[p]
@@ -127,14 +138,22 @@ def test_kill_mid_write_leaves_no_shard(mixed_corpus, tmp_path, monkeypatch):
 def test_fast_engine_is_checked_against_hf(mixed_corpus, tmp_path, monkeypatch, stdlib_texts):
     tok = load_tokenizer()
     assert tok.has_fast_engine
-    texts = [*stdlib_texts().values(), "你好，世界。中文English混合123 naïve café 🙂", "<|im_end|> [EOS] x\r\n\t  y",
-             "a" * 30000, " " * 5000 + "\n\n", ""]
+    texts = [
+        *stdlib_texts().values(),
+        "你好，世界。中文English混合123 naïve café 🙂",
+        "<|im_end|> [EOS] x\r\n\t  y",
+        "a" * 30000,
+        " " * 5000 + "\n\n",
+        "",
+    ]
     assert tok.encode_batch_fast(texts) == tok.encode_batch(texts)
     from k2_data.tokenizer import BPETokenizer
 
     real = BPETokenizer.encode_batch_fast
     monkeypatch.setattr(BPETokenizer, "encode_batch_fast", lambda self, t: [x[:-1] for x in real(self, t)])
-    with pytest.raises(ingest_mod().EngineMismatchError, match=r"txt/abc.py: the tiktoken engine and HF tokenizers disagree"):
+    with pytest.raises(
+        ingest_mod().EngineMismatchError, match=r"txt/abc.py: the tiktoken engine and HF tokenizers disagree"
+    ):
         tokenize_corpus([mixed_corpus["dir"] / "txt"], tmp_path / "x", config=TokenizeConfig(check_every=1))
     m = tokenize_corpus([mixed_corpus["dir"] / "txt"], tmp_path / "y", config=TokenizeConfig(engine="hf"))
     assert m["encoder"] == "hf-bpe" and m["num_tokens"] == sum(len(tok.encode(t)) for t in texts[:3])

@@ -18,7 +18,11 @@ regex = pytest.importorskip("regex")
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-ins for bytes, the alphabet byte-level BPE vocabularies are written in."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -63,15 +67,21 @@ def _reference_encode(text: str, ranks: dict[bytes, int]) -> list[int]:
 def kimi(tmp_path_factory):
     from k2_data.corpus import default_corpus_files
 
-    files = [p for p in default_corpus_files() if p.name in ("abc.py", "bisect.py", "colorsys.py", "keyword.py")]
+    files = [
+        p for p in default_corpus_files() if p.name in ("abc.py", "bisect.py", "colorsys.py", "keyword.py")
+    ]
     texts = [p.read_text() for p in files] + ["你好，世界。中文分词测试 naïve café"] * 3
     ranks = _ranks_from_bpe(texts, vocab_size=256 + 400 + 256)
     d = tmp_path_factory.mktemp("kimi")
     write_tiktoken_ranks(d / "tiktoken.model", ranks)
     base = len(ranks)
     # released-style config: names keyed by absolute id, only some slots listed
-    added = {str(base + 0): {"content": "[BOS]", "special": True}, str(base + 1): {"content": "[EOS]", "special": True},
-             str(base + 2): {"content": "<|im_end|>", "special": True}, str(base + 7): {"content": "<|custom|>", "special": True}}
+    added = {
+        str(base + 0): {"content": "[BOS]", "special": True},
+        str(base + 1): {"content": "[EOS]", "special": True},
+        str(base + 2): {"content": "<|im_end|>", "special": True},
+        str(base + 7): {"content": "<|custom|>", "special": True},
+    }
     (d / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": added}))
     return load_tokenizer(d), ranks, texts
 
@@ -125,7 +135,9 @@ def test_ingest_and_pack_with_kimi_tokenizer(kimi, tmp_path):
     tok, ranks, texts = kimi
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    tokenize_corpus([src], tmp_path / "out", tokenizer=tok.directory, config=TokenizeConfig(workers=2, shard_bytes=2000))
+    tokenize_corpus(
+        [src], tmp_path / "out", tokenizer=tok.directory, config=TokenizeConfig(workers=2, shard_bytes=2000)
+    )
     m = load_manifest(tmp_path / "out")
     assert m["tokenizer"]["kind"] == "tiktoken" and m["tokenizer"]["eos_id"] == len(ranks) + 1
     assert m["num_tokens"] == sum(len(tok.encode(t)) for t in texts)

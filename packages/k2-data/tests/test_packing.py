@@ -11,7 +11,11 @@ from k2_data.packing import load_token_arrays
 def _reference_epoch(ds: PackedDataset, epoch: int):
     """(windows in visiting order, per-window document index of each token) by the definition."""
     tokens, offsets, doc_ids, _ = load_token_arrays(ds.source)
-    docs = [tokens[offsets[i] : offsets[i + 1]].tolist() for i in range(len(doc_ids)) if doc_ids[i] in set(ds.doc_ids)]
+    docs = [
+        tokens[offsets[i] : offsets[i + 1]].tolist()
+        for i in range(len(doc_ids))
+        if doc_ids[i] in set(ds.doc_ids)
+    ]
     order = np.random.default_rng([ds.seed, epoch]).permutation(len(docs)) if ds.shuffle else range(len(docs))
     stream, owner = [], []
     for j, d in enumerate(order):
@@ -148,8 +152,14 @@ def _reference_whole(ds, docs, masks, epoch):
             pos += list(range(len(t)))
         pad = S - len(ids)
         seg_pad = (seg[-1] + 1) if seg else 0
-        out.append({"input_ids": ids + [ds.pad_id] * pad, "shift_labels": labels + [IGNORE_INDEX] * pad,
-                    "position_ids": pos + list(range(pad)), "document_ids": seg + [seg_pad] * pad})
+        out.append(
+            {
+                "input_ids": ids + [ds.pad_id] * pad,
+                "shift_labels": labels + [IGNORE_INDEX] * pad,
+                "position_ids": pos + list(range(pad)),
+                "document_ids": seg + [seg_pad] * pad,
+            }
+        )
     return out
 
 
@@ -163,8 +173,15 @@ def chat_dataset(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("chat_src")
     train, _ = generate_tooluse(16, 0, seed=5)
-    short = [{"messages": [{"role": "user", "content": "hi " * k}, {"role": "assistant", "content": "hello " * (k + 2)}]}
-             for k in range(1, 25)]
+    short = [
+        {
+            "messages": [
+                {"role": "user", "content": "hi " * k},
+                {"role": "assistant", "content": "hello " * (k + 2)},
+            ]
+        }
+        for k in range(1, 25)
+    ]
     with open(root / "chat.jsonl", "w") as f:
         for rec in train + short:
             f.write(json.dumps(rec) + "\n")
@@ -173,7 +190,9 @@ def chat_dataset(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("which,seq_len,seed", [("text", 256, 0), ("text", 1000, 3), ("chat", 512, 1), ("chat", 1200, 2)])
+@pytest.mark.parametrize(
+    "which,seq_len,seed", [("text", 256, 0), ("text", 1000, 3), ("chat", 512, 1), ("chat", 1200, 2)]
+)
 def test_whole_packing_equals_reference(small_dataset, chat_dataset, which, seq_len, seed):
     directory = small_dataset if which == "text" else chat_dataset
     ds = PackedDataset(directory, seq_len=seq_len, seed=seed, packing="whole")
@@ -222,7 +241,10 @@ def test_whole_packing_determinism_fingerprint_and_errors(small_dataset):
     g_all = range(len(a) + 5)
     assert all(np.array_equal(a[g]["input_ids"], b[g]["input_ids"]) for g in g_all)
     assert not all(np.array_equal(a[g]["input_ids"], c[g]["input_ids"]) for g in range(len(a)))
-    assert a.fingerprint() == b.fingerprint() and len({a.fingerprint(), c.fingerprint(), stream.fingerprint()}) == 3
+    assert (
+        a.fingerprint() == b.fingerprint()
+        and len({a.fingerprint(), c.fingerprint(), stream.fingerprint()}) == 3
+    )
     # stream packing keeps the fingerprint it had before packing modes existed (saved loader states stay valid)
     import hashlib
 
@@ -230,8 +252,9 @@ def test_whole_packing_determinism_fingerprint_and_errors(small_dataset):
     assert stream.fingerprint() == hashlib.sha256(repr(key).encode()).hexdigest()[:16]
     # samples do not depend on which indices were asked for before (a fresh dataset, jumping ahead)
     late = len(a) + a.epoch_bounds(1)[1] + 2  # inside epoch 2
-    assert np.array_equal(PackedDataset(small_dataset, 256, seed=1, packing="whole")[late]["input_ids"],
-                          a[late]["input_ids"])
+    assert np.array_equal(
+        PackedDataset(small_dataset, 256, seed=1, packing="whole")[late]["input_ids"], a[late]["input_ids"]
+    )
     with pytest.raises(ValueError, match="packing must be 'stream' or 'whole'"):
         PackedDataset(small_dataset, 256, packing="greedy")
     with pytest.raises(ValueError, match="window\\(\\) is defined for packing='stream' only"):
@@ -256,7 +279,9 @@ def test_whole_packing_loader_resume_is_exact(chat_dataset, workers):
     resumed.load_state_dict(state)
     got += [next(resumed) for _ in range(steps - 5)]
     resumed.close()
-    assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(got, expected))
+    assert all(
+        a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(got, expected)
+    )
     assert set(expected[0]) == {"input_ids", "shift_labels", "position_ids", "document_ids"}
     with pytest.raises(ValueError, match="different data, seq_len, seed or split"):
         StatefulLoader(PackedDataset(chat_dataset, seq_len=512, seed=4), batch_size=3).load_state_dict(state)

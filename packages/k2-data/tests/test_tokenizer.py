@@ -11,11 +11,23 @@ from k2_data.tokenizer import BPETokenizer, default_tokenizer_path
 from k2_data.train_tokenizer import train_bpe
 
 # K2's released ids (MISSION.md) minus its base 163584 = the offsets every k2 tokenizer uses
-K2_IDS = {"[BOS]": 163584, "[EOS]": 163585, "<|im_end|>": 163586, "<|im_user|>": 163587,
-          "<|im_assistant|>": 163588, "[EOT]": 163593, "<|im_system|>": 163594,
-          "<|tool_calls_section_begin|>": 163595, "<|tool_calls_section_end|>": 163596,
-          "<|tool_call_begin|>": 163597, "<|tool_call_argument_begin|>": 163598, "<|tool_call_end|>": 163599,
-          "<|im_middle|>": 163601, "[UNK]": 163838, "[PAD]": 163839}
+K2_IDS = {
+    "[BOS]": 163584,
+    "[EOS]": 163585,
+    "<|im_end|>": 163586,
+    "<|im_user|>": 163587,
+    "<|im_assistant|>": 163588,
+    "[EOT]": 163593,
+    "<|im_system|>": 163594,
+    "<|tool_calls_section_begin|>": 163595,
+    "<|tool_calls_section_end|>": 163596,
+    "<|tool_call_begin|>": 163597,
+    "<|tool_call_argument_begin|>": 163598,
+    "<|tool_call_end|>": 163599,
+    "<|im_middle|>": 163601,
+    "[UNK]": 163838,
+    "[PAD]": 163839,
+}
 
 
 @pytest.fixture(scope="module")

@@ -255,7 +255,11 @@ def test_kept_probabilities_give_the_recomputed_gradients(causal):
                 s = s.masked_fill(torch.ones(256, 256, dtype=torch.bool).triu(1), float("-inf"))
             want = s.softmax(-1)
             got = probs[:, :256, :256].double()
-            tri = torch.ones(256, 256, dtype=torch.bool).tril() if causal else torch.ones(256, 256, dtype=torch.bool)
+            tri = (
+                torch.ones(256, 256, dtype=torch.bool).tril()
+                if causal
+                else torch.ones(256, 256, dtype=torch.bool)
+            )
             assert rel_err(got[:, tri], want[:, tri]) <= 1e-5
     for a, b in zip(grads[True], grads[False]):
         assert rel_err(a, b) <= 1e-6
@@ -284,4 +288,6 @@ def test_float64_fallback_gradcheck(causal):
     q, k = (torch.randn(10, 2, 16, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
     v = torch.randn(10, 2, 8, dtype=torch.float64, generator=g).requires_grad_()
     c = cu([4, 1, 5])
-    assert torch.autograd.gradcheck(lambda a, b, d: ops.mla_attention(a, b, d, c, causal=causal)[0], (q, k, v))
+    assert torch.autograd.gradcheck(
+        lambda a, b, d: ops.mla_attention(a, b, d, c, causal=causal)[0], (q, k, v)
+    )

@@ -26,4 +26,6 @@ def test_reference_swiglu_experts_matches_op():
     down = torch.randn(E, D, I, generator=g)
     got = ops.moe_swiglu_experts(x, gate, up, down, offsets)
     got = got[0] if isinstance(got, tuple) else got
-    torch.testing.assert_close(got, reference.moe_swiglu_experts(x, gate, up, down, offsets), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        got, reference.moe_swiglu_experts(x, gate, up, down, offsets), rtol=1e-5, atol=1e-5
+    )

@@ -50,7 +50,9 @@ def test_route_matches_reference(device, case, dtype):
     for b, norm in ((bias, True), (None, True), (bias, False)):
         idx, w = ops.moe_route(logits, b, K, G, TG, SCALE, norm)
         assert idx.dtype == torch.int64 and w.dtype == torch.float32 and idx.device.type == device
-        assert route_mismatches(idx, w, logits, b, K, G, TG, SCALE, norm) == [], f"bias={b is not None} norm={norm}"
+        assert route_mismatches(idx, w, logits, b, K, G, TG, SCALE, norm) == [], (
+            f"bias={b is not None} norm={norm}"
+        )
         if device == "cpu":  # same fp32 arithmetic as the reference on this CPU: identical
             ridx, rw = reference.moe_route(logits, b, K, G, TG, SCALE, norm)
             assert torch.equal(idx, ridx)
@@ -163,8 +165,11 @@ UNPERMUTE_TOL = {
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", [(1, 384, 8, 64), (300, 256, 8, 96), (64, 16, 4, 7), (50, 32, 2, 1024)],
-                         ids=lambda c: "T{}-E{}-K{}-D{}".format(*c))
+@pytest.mark.parametrize(
+    "case",
+    [(1, 384, 8, 64), (300, 256, 8, 96), (64, 16, 4, 7), (50, 32, 2, 1024)],
+    ids=lambda c: "T{}-E{}-K{}-D{}".format(*c),
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 def test_unpermute_matches_reference(device, case, dtype, w_dtype):

@@ -431,16 +431,31 @@ def test_cuda_kernel_logic_on_host_emulation(tmp_path, large_tile_min_m):
     for name in ("cuda_runtime.h", "cuda_bf16.h", "cuda_fp16.h", "mma.h"):
         (inc / name).write_text('#pragma once\n#include "emu.h"\n')
     src, n = re.subn(
-        r"(ns_gemm_\w+<[^>]*>)<<<grid, ([^,]+), 0, stream>>>\(p\)", r"emu_launch(\1, grid, \2, p)", cu.read_text()
+        r"(ns_gemm_\w+<[^>]*>)<<<grid, ([^,]+), 0, stream>>>\(p\)",
+        r"emu_launch(\1, grid, \2, p)",
+        cu.read_text(),
     )
     assert n == 2, "expected the two kernel launches of newton_schulz.cu"
     (tmp_path / "ns_emu.cpp").write_text(src)
     (tmp_path / "driver.cpp").write_text('#include "emu.h"\n' + _EMU_DRIVER)
     exe = tmp_path / "ns_emu"
-    cmd = [gxx, "-std=c++20", "-O2", "-fopenmp", "-DK2_WITH_CUDA=1", f"-DK2_NS_LARGE_TILE_MIN_M={large_tile_min_m}",
-           f"-I{inc}", f"-I{_CSRC / 'include'}", f"-I{_CSRC / 'cuda'}", "-o", str(exe),
-           str(tmp_path / "driver.cpp"), str(tmp_path / "ns_emu.cpp"), str(_CSRC / "cpu" / "newton_schulz_cpu.cpp"),
-           "-lpthread"]
+    cmd = [
+        gxx,
+        "-std=c++20",
+        "-O2",
+        "-fopenmp",
+        "-DK2_WITH_CUDA=1",
+        f"-DK2_NS_LARGE_TILE_MIN_M={large_tile_min_m}",
+        f"-I{inc}",
+        f"-I{_CSRC / 'include'}",
+        f"-I{_CSRC / 'cuda'}",
+        "-o",
+        str(exe),
+        str(tmp_path / "driver.cpp"),
+        str(tmp_path / "ns_emu.cpp"),
+        str(_CSRC / "cpu" / "newton_schulz_cpu.cpp"),
+        "-lpthread",
+    ]
     build = subprocess.run(cmd, capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)

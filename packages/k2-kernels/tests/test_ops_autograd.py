@@ -115,7 +115,10 @@ def test_opcheck_cpu():
     logits = torch.randn(9, 64, generator=gen)
     # opcheck's aot test sums every output, which fails for the int64 index output when the
     # inputs require grad; the routing backward is covered by the compile test below.
-    for args in [(logits, torch.randn(64, generator=gen), 4, 4, 2, 2.5, True), (logits, None, 6, 1, 1, 1.0, False)]:
+    for args in [
+        (logits, torch.randn(64, generator=gen), 4, 4, 2, 2.5, True),
+        (logits, None, 6, 1, 1, 1.0, False),
+    ]:
         opcheck(torch.ops.k2.moe_route.default, args)
     idx = torch.rand(9, 64, generator=gen).argsort(1)[:, :4]
     for x_dtype, i_dtype in [(torch.float32, torch.int64), (torch.bfloat16, torch.int32)]:
@@ -136,7 +139,12 @@ def test_fake_shapes():
         x_ND, rows, counts, offsets = ops.moe_permute(x, idx, 384)
         assert (x_ND.shape, x_ND.dtype) == ((56, 32), torch.bfloat16)
         assert (rows.shape, rows.dtype) == ((56,), torch.int64)
-        assert (counts.shape, counts.dtype, offsets.shape, offsets.dtype) == ((384,), torch.int32, (384,), torch.int32)
+        assert (counts.shape, counts.dtype, offsets.shape, offsets.dtype) == (
+            (384,),
+            torch.int32,
+            (384,),
+            torch.int32,
+        )
         out = ops.moe_unpermute(x_ND, rows, w)
         assert (out.shape, out.dtype) == ((7, 32), torch.bfloat16)
         with pytest.raises(ValueError, match="y_ND"):
@@ -222,7 +230,12 @@ def test_opcheck_unpermute_backward_cpu():
     gen = torch.Generator().manual_seed(8)
     idx = torch.rand(9, 16, generator=gen).argsort(1)[:, :4]
     _, rows, _, _ = reference.moe_permute(torch.zeros(9, 1), idx, 16)
-    args = (torch.randn(9, 8, generator=gen), torch.randn(36, 8, generator=gen), rows, torch.rand(9, 4, generator=gen))
+    args = (
+        torch.randn(9, 8, generator=gen),
+        torch.randn(36, 8, generator=gen),
+        rows,
+        torch.rand(9, 4, generator=gen),
+    )
     for need in [(True, True), (False, True)]:
         opcheck(torch.ops.k2.moe_unpermute_backward.default, (*args, *need))
 

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import torch
-from k2_kernels import reference  # noqa: E402
+from k2_kernels import reference
 
 ROUND = False
 PAD = 8
@@ -29,14 +29,28 @@ def pair(s, p0, p1):
 
 def load_a(s, ld, r0, c0):
     p = (r0 + G) * ld + c0 + 2 * TT
-    return np.stack([pair(s, p, p + 1), pair(s, p + 8 * ld, p + 8 * ld + 1), pair(s, p + 8, p + 9),
-                     pair(s, p + 8 * ld + 8, p + 8 * ld + 9)], axis=1)
+    return np.stack(
+        [
+            pair(s, p, p + 1),
+            pair(s, p + 8 * ld, p + 8 * ld + 1),
+            pair(s, p + 8, p + 9),
+            pair(s, p + 8 * ld + 8, p + 8 * ld + 9),
+        ],
+        axis=1,
+    )
 
 
 def load_a_trans(s, ld, r0, c0):
     p = (c0 + 2 * TT) * ld + r0 + G
-    return np.stack([pair(s, p, p + ld), pair(s, p + 8, p + ld + 8), pair(s, p + 8 * ld, p + 9 * ld),
-                     pair(s, p + 8 * ld + 8, p + 9 * ld + 8)], axis=1)
+    return np.stack(
+        [
+            pair(s, p, p + ld),
+            pair(s, p + 8, p + ld + 8),
+            pair(s, p + 8 * ld, p + 9 * ld),
+            pair(s, p + 8 * ld + 8, p + 9 * ld + 8),
+        ],
+        axis=1,
+    )
 
 
 def load_b(s, ld, n0, k0):
@@ -145,7 +159,9 @@ def fwd(q, k, v, cu, T, H, DK, DV, scale, causal, max_seqlen):
             load_tile(Qs, q, start, len_, q0, BM, DK, H, h)
             regs = []
             for _w in range(4):
-                regs.append(dict(o=np.zeros((DV // 8, 32, 4)), m=np.full((2, 32), -np.inf), l=np.zeros((2, 32))))
+                regs.append(
+                    dict(o=np.zeros((DV // 8, 32, 4)), m=np.full((2, 32), -np.inf), l=np.zeros((2, 32)))
+                )
             for j in range(n_kt):
                 k0 = j * BN
                 load_tile(Ks, k, start, len_, k0, BN, DK, H, h)
@@ -188,8 +204,15 @@ def fwd(q, k, v, cu, T, H, DK, DV, scale, causal, max_seqlen):
                         R["o"][n][:, 0:2] *= alpha[0][:, None]
                         R["o"][n][:, 2:4] *= alpha[1][:, None]
                     for kk in range(BN // 16):
-                        a = np.stack([s[2 * kk][:, 0:2], s[2 * kk][:, 2:4], s[2 * kk + 1][:, 0:2],
-                                      s[2 * kk + 1][:, 2:4]], axis=1)
+                        a = np.stack(
+                            [
+                                s[2 * kk][:, 0:2],
+                                s[2 * kk][:, 2:4],
+                                s[2 * kk + 1][:, 0:2],
+                                s[2 * kk + 1][:, 2:4],
+                            ],
+                            axis=1,
+                        )
                         for n in range(DV // 8):
                             mma(R["o"][n], a, load_b_trans(Vs, LDV, n * 8, kk * 16))
             for w in range(4):
@@ -209,7 +232,9 @@ def fwd(q, k, v, cu, T, H, DK, DV, scale, causal, max_seqlen):
                                 out[base + n * 8] = rnd(R["o"][n][lane, 2 * r] * inv)
                                 out[base + n * 8 + 1] = rnd(R["o"][n][lane, 2 * r + 1] * inv)
                             if TT[lane] == 0:
-                                lse[h * T + tok] = R["m"][r][lane] + np.log(l[lane]) if l[lane] > 0 else -np.inf
+                                lse[h * T + tok] = (
+                                    R["m"][r][lane] + np.log(l[lane]) if l[lane] > 0 else -np.inf
+                                )
                 mxl[h] = max(mxl[h], np.max(np.maximum(R["m"][0], R["m"][1])))
     return out, lse, mxl
 
@@ -268,10 +293,28 @@ def bwd(q, k, v, dout, lse, delta, cu, T, H, DK, DV, scale, causal, max_seqlen):
                             dpt[n][:, e] = p * (dpt[n][:, e] - delta_s[ql]) * scale
                     pa, da = [], []
                     for kk in range(BM // 16):
-                        pa.append(np.stack([st[2 * kk][:, 0:2], st[2 * kk][:, 2:4], st[2 * kk + 1][:, 0:2],
-                                            st[2 * kk + 1][:, 2:4]], axis=1))
-                        da.append(np.stack([dpt[2 * kk][:, 0:2], dpt[2 * kk][:, 2:4], dpt[2 * kk + 1][:, 0:2],
-                                            dpt[2 * kk + 1][:, 2:4]], axis=1))
+                        pa.append(
+                            np.stack(
+                                [
+                                    st[2 * kk][:, 0:2],
+                                    st[2 * kk][:, 2:4],
+                                    st[2 * kk + 1][:, 0:2],
+                                    st[2 * kk + 1][:, 2:4],
+                                ],
+                                axis=1,
+                            )
+                        )
+                        da.append(
+                            np.stack(
+                                [
+                                    dpt[2 * kk][:, 0:2],
+                                    dpt[2 * kk][:, 2:4],
+                                    dpt[2 * kk + 1][:, 0:2],
+                                    dpt[2 * kk + 1][:, 2:4],
+                                ],
+                                axis=1,
+                            )
+                        )
                         drow = (w * 16 + G) * LDS + kk * 16 + 2 * TT
                         for off, reg in ((0, 0), (8 * LDS, 1), (8, 2), (8 * LDS + 8, 3)):
                             dSs[drow + off] = rnd(da[kk][:, reg, 0])
@@ -337,21 +380,42 @@ def check(lens, H, DK, DV, causal, seed=0):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ro, rl, rm = reference.mla_attention(*leaves, torch.tensor(cu), scale, causal)
     ro.backward(g)
-    o, lse, mx = fwd(q.numpy().ravel(), k.numpy().ravel(), v.numpy().ravel(), cu, T, H, DK, DV, scale, causal,
-                     max(lens))
+    o, lse, mx = fwd(
+        q.numpy().ravel(), k.numpy().ravel(), v.numpy().ravel(), cu, T, H, DK, DV, scale, causal, max(lens)
+    )
     out_t = torch.tensor(o).view(T, H, DV)
     # delta from the kernel's (rounded) out, as delta_kernel does
     delta = (out_t * g).sum(-1).transpose(0, 1).contiguous().numpy().ravel()
-    dq, dk, dv = bwd(q.numpy().ravel(), k.numpy().ravel(), v.numpy().ravel(), g.numpy().ravel(), lse, delta, cu, T, H,
-                     DK, DV, scale, causal, max(lens))
+    dq, dk, dv = bwd(
+        q.numpy().ravel(),
+        k.numpy().ravel(),
+        v.numpy().ravel(),
+        g.numpy().ravel(),
+        lse,
+        delta,
+        cu,
+        T,
+        H,
+        DK,
+        DV,
+        scale,
+        causal,
+        max(lens),
+    )
 
     def rel(a, ref):
         a = torch.tensor(a).view(ref.shape)
         assert not torch.isnan(a).any(), "unwritten entries"
         return ((a - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
-    res = dict(out=rel(o, ro), lse=rel(lse, rl), mx=rel(mx, rm), dq=rel(dq, leaves[0].grad),
-               dk=rel(dk, leaves[1].grad), dv=rel(dv, leaves[2].grad))
+    res = dict(
+        out=rel(o, ro),
+        lse=rel(lse, rl),
+        mx=rel(mx, rm),
+        dq=rel(dq, leaves[0].grad),
+        dk=rel(dk, leaves[1].grad),
+        dv=rel(dv, leaves[2].grad),
+    )
     print(lens, H, DK, DV, causal, {k_: f"{v_:.1e}" for k_, v_ in res.items()}, flush=True)
     return res
 
@@ -362,8 +426,13 @@ if __name__ == "__main__":
         load_a, load_a_trans, load_b, load_b_trans = ld_load_a, ld_load_a_trans, ld_load_b, ld_load_b_trans
         print("ldmatrix loaders")
     tol = 1e-2 if ROUND else 1e-10
-    for case in [([1], 1, 16, 16, True), ([70], 1, 32, 16, True), ([5, 64, 1, 0, 80], 2, 16, 32, True),
-                 ([70, 3], 1, 32, 16, False), ([130], 1, 48, 16, True)]:
+    for case in [
+        ([1], 1, 16, 16, True),
+        ([70], 1, 32, 16, True),
+        ([5, 64, 1, 0, 80], 2, 16, 32, True),
+        ([70, 3], 1, 32, 16, False),
+        ([130], 1, 48, 16, True),
+    ]:
         r = check(*case)
-        assert all(x < (max(tol, 1e-7) if n in ('lse', 'mx') else tol) for n, x in r.items()), r
+        assert all(x < (max(tol, 1e-7) if n in ("lse", "mx") else tol) for n, x in r.items()), r
     print("OK")

@@ -63,7 +63,9 @@ def fwd(q, k, v, cu, T, H, Dk, Dv, scale, causal, max_seqlen):
                             lanes = LANE + 32 * c < Dv
                             vv = np.where(lanes, Vs[np.minimum(jj * Dv + LANE + 32 * c, BN * Dv - 1)], 0.0)
                             for i in range(R):
-                                o[w, i, c] = np.where(lanes, o[w, i, c] + Ps[(w * R + i) * BN + jj] * vv, o[w, i, c])
+                                o[w, i, c] = np.where(
+                                    lanes, o[w, i, c] + Ps[(w * R + i) * BN + jj] * vv, o[w, i, c]
+                                )
             for w in range(4):
                 for i in range(R):
                     mxl[h] = max(mxl[h], m[w, i, 0])
@@ -112,7 +114,9 @@ def bwd(q, k, v, dout, lse, delta, cu, T, H, Dk, Dv, scale, causal, max_seqlen):
                     Qs[r * (Dk + 1) + c] = q[((start + q0 + r) * H + h) * Dk + c] if q0 + r < len_ else 0.0
                 for i in range(BM * Dv):
                     r, c = i // Dv, i % Dv
-                    dOs[r * (Dv + 1) + c] = dout[((start + q0 + r) * H + h) * Dv + c] if q0 + r < len_ else 0.0
+                    dOs[r * (Dv + 1) + c] = (
+                        dout[((start + q0 + r) * H + h) * Dv + c] if q0 + r < len_ else 0.0
+                    )
                 for r in range(BM):
                     valid = q0 + r < len_
                     idx = h * T + start + q0 + r
@@ -140,9 +144,13 @@ def bwd(q, k, v, dout, lse, delta, cu, T, H, Dk, Dv, scale, causal, max_seqlen):
                     for i in range(KW):
                         kl = w * KW + i
                         for c in range(Dv):
-                            dVa[kl * Dv + c] += sum(Ps[kl * BM + j] * dOs[j * (Dv + 1) + c] for j in range(BM))
+                            dVa[kl * Dv + c] += sum(
+                                Ps[kl * BM + j] * dOs[j * (Dv + 1) + c] for j in range(BM)
+                            )
                         for c in range(Dk):
-                            dKa[kl * Dk + c] += sum(dSs[kl * BM + j] * Qs[j * (Dk + 1) + c] for j in range(BM))
+                            dKa[kl * Dk + c] += sum(
+                                dSs[kl * BM + j] * Qs[j * (Dk + 1) + c] for j in range(BM)
+                            )
                 for i in range(BM * Dk):
                     j, c = i // Dk, i % Dk
                     if q0 + j >= len_:
@@ -179,8 +187,14 @@ def check(lens, H, Dk, Dv, causal, seed=0):
         assert not torch.isnan(a).any(), "unwritten entries"
         return ((a - ref.double()).norm() / ref.double().norm().clamp_min(1.0)).item()
 
-    res = dict(out=rel(o, ro), lse=rel(lse, rl), mx=rel(mx, rm), dq=rel(dq, leaves[0].grad),
-               dk=rel(dk, leaves[1].grad), dv=rel(dv, leaves[2].grad))
+    res = dict(
+        out=rel(o, ro),
+        lse=rel(lse, rl),
+        mx=rel(mx, rm),
+        dq=rel(dq, leaves[0].grad),
+        dk=rel(dk, leaves[1].grad),
+        dv=rel(dv, leaves[2].grad),
+    )
     print(lens, H, Dk, Dv, causal, {k_: f"{v_:.1e}" for k_, v_ in res.items()}, flush=True)
     assert all(x < (1e-7 if n in ("lse", "mx") else 1e-10) for n, x in res.items()), res
 

@@ -315,7 +315,9 @@ def test_fused_attention_equals_sdpa_with_documents(monkeypatch) -> None:
     from k2_model.model import PackedSegments, fused_attention_available
 
     cfg = small_config()
-    if not fused_attention_available(torch.device("cpu"), cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim):
+    if not fused_attention_available(
+        torch.device("cpu"), cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    ):
         pytest.skip("compiled k2_kernels attention not available")
     torch.manual_seed(5)
     model = K2ForCausalLM(cfg).train()
@@ -323,7 +325,9 @@ def test_fused_attention_equals_sdpa_with_documents(monkeypatch) -> None:
     doc = (torch.arange(150) >= 40).long()[None].expand(2, 150).clone()
     doc[1] = (torch.arange(150) >= 101).long() + (torch.arange(150) >= 120).long()
     seg = PackedSegments.from_document_ids(doc)
-    assert seg is not None and seg.cu_seqlens.tolist() == [0, 40, 150, 251, 270, 300] and seg.max_seqlen == 110
+    assert (
+        seg is not None and seg.cu_seqlens.tolist() == [0, 40, 150, 251, 270, 300] and seg.max_seqlen == 110
+    )
     results = {}
     import k2_model.model as k2m
 

@@ -48,7 +48,11 @@ def make_model(yarn: bool = False, q_lora: bool = True, seed: int = 0) -> K2ForC
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # larger than the init, so every path matters and argmax margins are wide
         for p in model.parameters():
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if p.dim() == 1 else 0.1 * torch.randn(p.shape, generator=g))
+            p.copy_(
+                1.0 + 0.1 * torch.randn(p.shape, generator=g)
+                if p.dim() == 1
+                else 0.1 * torch.randn(p.shape, generator=g)
+            )
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.02 * torch.randn(b.shape, generator=g))
@@ -106,7 +110,9 @@ def test_absorbed_decode_equals_expanded_and_full_forward(yarn: bool) -> None:
     nxt = [11, 3, 500]
     caches = []
     for _ in range(2):
-        cache = MLACache(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, max_slots=4, max_len=64)
+        cache = MLACache(
+            cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, max_slots=4, max_len=64
+        )
         cache.ensure(3, 32)
         prefill(model, cache, prompts, [0, 1, 2])
         caches.append(cache)
@@ -180,7 +186,9 @@ def test_top_k_top_p_masks_match_reference() -> None:
     for i in range(6):
         ref = ref_processed_logp(logits[i] / temp[i], int(top_k[i]), float(top_p[i]))
         assert torch.equal(torch.isfinite(out[i]), torch.isfinite(ref)), f"row {i}"
-        assert torch.allclose(torch.log_softmax(out[i], -1)[torch.isfinite(ref)], ref[torch.isfinite(ref)], atol=1e-5)
+        assert torch.allclose(
+            torch.log_softmax(out[i], -1)[torch.isfinite(ref)], ref[torch.isfinite(ref)], atol=1e-5
+        )
     assert int(torch.isfinite(out[5]).sum()) == 4 and int(torch.isfinite(out[4]).sum()) == 1
 
 
@@ -191,7 +199,9 @@ def test_gumbel_sampling_follows_the_processed_distribution() -> None:
     gens = [torch.Generator().manual_seed(i) for i in range(n)]
     res = sample(logits.expand(n, -1), params, gens)
     freq = torch.bincount(res.tokens_n, minlength=6).float() / n
-    want = torch.softmax(process_logits(logits[None], torch.tensor([0.9]), torch.tensor([4]), torch.tensor([1.0]))[0], -1)
+    want = torch.softmax(
+        process_logits(logits[None], torch.tensor([0.9]), torch.tensor([4]), torch.tensor([1.0]))[0], -1
+    )
     assert freq[4:].sum() == 0
     assert torch.allclose(freq, want, atol=0.02)  # 6000 draws: 3 sigma ~ 0.019 at p = 0.5
 
@@ -215,7 +225,9 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch() -> None:
             if out.request_id == rid and out.finished:
                 got = out.completion.token_ids
     assert got == alone
-    other_seed = Engine(model).generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=99))
+    other_seed = Engine(model).generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=99)
+    )
     assert other_seed[0].token_ids != alone
 
 
@@ -236,7 +248,9 @@ def test_stop_token_ids_strings_max_tokens_and_finish_reasons() -> None:
     assert c.text == detok(ref[:k]) and len(c.logprobs) == len(c.sampled_logprobs) == k + 1
 
     # ignore_eos + a request-level stop token id
-    c = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop_token_ids=[ref[14]]))[0]
+    c = engine.generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop_token_ids=[ref[14]])
+    )[0]
     k = ref.index(ref[14])
     assert (c.finish_reason, c.stop_reason, c.token_ids) == ("stop", ref[14], ref[: k + 1])
 
@@ -245,7 +259,13 @@ def test_stop_token_ids_strings_max_tokens_and_finish_reasons() -> None:
     stop = text[5:8]
     j = text.find(stop)
     for include in (False, True):
-        p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop, "@@"], include_stop_str_in_output=include)
+        p = SamplingParams(
+            max_tokens=24,
+            temperature=0,
+            ignore_eos=True,
+            stop=[stop, "@@"],
+            include_stop_str_in_output=include,
+        )
         c = engine.generate([prompt], p)[0]
         assert (c.finish_reason, c.stop_reason) == ("stop", stop)
         assert c.text == (text[: j + len(stop)] if include else text[:j])
@@ -286,9 +306,14 @@ def test_streamed_text_deltas_and_abort() -> None:
 def test_cache_bytes_per_token() -> None:
     model = make_model()
     cfg = model.config
-    assert Engine(model).cache_bytes_per_token() == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * 4
+    assert (
+        Engine(model).cache_bytes_per_token()
+        == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * 4
+    )
     k2 = K2Config.preset("kimi-k2")
-    cache = MLACache(k2.num_hidden_layers, k2.kv_lora_rank, k2.qk_rope_head_dim, dtype=torch.bfloat16, device="meta")
+    cache = MLACache(
+        k2.num_hidden_layers, k2.kv_lora_rank, k2.qk_rope_head_dim, dtype=torch.bfloat16, device="meta"
+    )
     assert cache.bytes_per_token() == (512 + 64) * 61 * 2 == 70_272
     # expanded per-head keys and values would take H * (qk_head_dim + v_head_dim) per layer
     expanded = k2.num_attention_heads * (k2.qk_head_dim + k2.v_head_dim) * 61 * 2
@@ -349,7 +374,9 @@ def test_greedy_with_cache_equals_full_recomputation_on_cuda() -> None:
     sampled = Engine(model).generate(prompts[:1], SamplingParams(max_tokens=6, temperature=0.8, seed=3))[0]
     with torch.no_grad():
         logits = model(torch.tensor([prompts[0] + sampled.token_ids], device="cuda")).logits[0, 4:-1]
-    raw = torch.log_softmax(logits, -1).gather(1, torch.tensor(sampled.token_ids, device="cuda")[:, None])[:, 0]
+    raw = torch.log_softmax(logits, -1).gather(1, torch.tensor(sampled.token_ids, device="cuda")[:, None])[
+        :, 0
+    ]
     assert torch.allclose(torch.tensor(sampled.logprobs), raw.cpu(), atol=1e-4)
 
 
@@ -358,7 +385,10 @@ def test_bf16_model_gets_a_bf16_cache() -> None:
     cfg = model.config
     engine = Engine(model)
     assert engine.cache.kv_LyNLK.dtype == torch.bfloat16
-    assert engine.cache_bytes_per_token() == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * 2
+    assert (
+        engine.cache_bytes_per_token()
+        == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * 2
+    )
     prompt = prompts_of([9])[0]
     c = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))[0]
     with torch.no_grad():  # bf16 rounding differs between the paths: compare distributions, not bits
@@ -392,7 +422,13 @@ def test_engine_thread_streams_and_applies_weight_updates_between_steps() -> Non
         first = q.get(timeout=30)
         with torch.no_grad():
             assert first.token_ids[0] == int(model(torch.tensor([prompts[0]])).logits[0, -1].argmax())
-            assert abs(first.logprobs[0] - float(F.log_softmax(model(torch.tensor([prompts[0]])).logits[0, -1], -1).max())) < 1e-4
+            assert (
+                abs(
+                    first.logprobs[0]
+                    - float(F.log_softmax(model(torch.tensor([prompts[0]])).logits[0, -1], -1).max())
+                )
+                < 1e-4
+            )
     finally:
         runner.close()
 
@@ -402,7 +438,10 @@ def test_queue_beyond_max_batch_size_and_prefill_budget() -> None:
     engine = Engine(model, max_batch_size=2, max_prefill_tokens=10)
     prompts = prompts_of([8, 6, 12, 3, 9])
     max_tokens = [5, 9, 4, 7, 3]
-    ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0)) for p, m in zip(prompts, max_tokens)]
+    ids = [
+        engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0))
+        for p, m in zip(prompts, max_tokens)
+    ]
     done, most_running = {}, 0
     while engine.has_unfinished():
         for out in engine.step():

@@ -85,15 +85,22 @@ class FakeMaxLogits:
         pass
 
     def qk_clip_layers(self):
-        return [{"name": "l0", "num_heads": 2, "spans": [
-            {"param": self.w, "stride": 2, "start": 0, "length": 2, "power": 1.0}]}]
+        return [
+            {
+                "name": "l0",
+                "num_heads": 2,
+                "spans": [{"param": self.w, "stride": 2, "start": 0, "length": 2, "power": 1.0}],
+            }
+        ]
 
 
 def maxlogit_worker(rank, world, out_dir):
     from k2_optim import MuonClip
 
     src = FakeMaxLogits(rank)
-    opt = MuonClip([{"params": [src.w], "algorithm": "adamw"}], lr=0.0, weight_decay=0.0, tau=100.0, qk_clip=src)
+    opt = MuonClip(
+        [{"params": [src.w], "algorithm": "adamw"}], lr=0.0, weight_decay=0.0, tau=100.0, qk_clip=src
+    )
     src.w.grad = torch.zeros_like(src.w)
     opt.step()
     torch.save({"w": src.w.detach().clone(), "stats": opt.last_clip_stats()}, f"{out_dir}/maxlogit{rank}.pt")

@@ -25,7 +25,9 @@ def _load_worker():
 def dist_run(tmp_path_factory):
     """One 2-process gloo run of both scenarios (spawning is the slow part)."""
     out = tmp_path_factory.mktemp("k2optim_dist")
-    r = subprocess.run([sys.executable, str(WORKER), "2", str(out)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(WORKER), "2", str(out)], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return out
 

@@ -76,7 +76,9 @@ def test_fused_gate_up_orthogonalised_separately(how):
     gate = torch.nn.Parameter(gate_up.detach()[:, :F].clone())
     up = torch.nn.Parameter(gate_up.detach()[:, F:].clone())
     if how == "group":
-        o1 = Muon([{"params": [gate_up], "split_sizes": (F, F)}], lr=0.03, weight_decay=0.1, ns_dtype=torch.float32)
+        o1 = Muon(
+            [{"params": [gate_up], "split_sizes": (F, F)}], lr=0.03, weight_decay=0.1, ns_dtype=torch.float32
+        )
     else:
         o1 = Muon([declare_fused(gate_up, (F, F))], lr=0.03, weight_decay=0.1, ns_dtype=torch.float32)
     o2 = Muon([gate, up], lr=0.03, weight_decay=0.1, ns_dtype=torch.float32)
@@ -88,7 +90,9 @@ def test_fused_gate_up_orthogonalised_separately(how):
         gate.grad, up.grad = grad[:, :F].clone(), grad[:, F:].clone()
         for o in (o1, o2, o3):
             o.step()
-    torch.testing.assert_close(gate_up.detach(), torch.cat([gate.detach(), up.detach()], dim=1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        gate_up.detach(), torch.cat([gate.detach(), up.detach()], dim=1), rtol=0, atol=1e-6
+    )
     # and it matters: treating the fused tensor as one matrix gives a different update
     assert (unsplit - gate_up).abs().max() > 1e-3
 

@@ -12,10 +12,23 @@ k2_model = pytest.importorskip("k2_model")
 def _small_k2():
     cfg = dataclasses.replace(
         k2_model.K2Config.preset("tiny"),
-        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
-        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-        bos_token_id=0, eos_token_id=1, pad_token_id=2,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
     )
     torch.manual_seed(0)
     model = k2_model.K2ForCausalLM(cfg)

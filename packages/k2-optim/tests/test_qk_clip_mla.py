@@ -12,7 +12,10 @@ from torch import nn
 
 def _capture_inputs(model, ids):
     inputs = []
-    hooks = [a.register_forward_pre_hook(lambda mod, args: inputs.append(args[0].detach().clone())) for a in model.layers]
+    hooks = [
+        a.register_forward_pre_hook(lambda mod, args: inputs.append(args[0].detach().clone()))
+        for a in model.layers
+    ]
     model(ids)
     for h in hooks:
         h.remove()
@@ -28,8 +31,10 @@ def test_mla_exactness_lr0():
     tau = float(S_LH.flatten().median())  # about half the heads over tau
     clipped = S_LH > tau
     assert clipped.any() and (~clipped).any()
-    before = [(a.logits_and_v(x)[0].detach(), a.kv_a_proj_with_mqa.weight.clone(), a.kv_b_proj.weight.clone())
-              for a, x in zip(model.layers, x_in)]
+    before = [
+        (a.logits_and_v(x)[0].detach(), a.kv_a_proj_with_mqa.weight.clone(), a.kv_b_proj.weight.clone())
+        for a, x in zip(model.layers, x_in)
+    ]
     opt = MuonClip(model, lr=0.0, weight_decay=0.0, tau=tau)
     model(ids).logsumexp(-1).mean().backward()  # grads exist; lr = 0 keeps Muon/AdamW a no-op
     model.reset_attention_max_logits()
@@ -56,7 +61,13 @@ def test_mla_exactness_lr0():
 def test_apply_qk_clip_scales_rows_by_gamma_power():
     w = torch.ones(2 * 6, 3)
     layers = normalize_layers(
-        [{"name": "l", "num_heads": 2, "spans": [{"param": w, "stride": 6, "start": 1, "length": 3, "power": 0.5}]}]
+        [
+            {
+                "name": "l",
+                "num_heads": 2,
+                "spans": [{"param": w, "stride": 6, "start": 1, "length": 3, "power": 0.5}],
+            }
+        ]
     )
     clipped = apply_qk_clip(layers, torch.tensor([[400.0, 50.0]]), tau=100.0)
     assert clipped.tolist() == [[True, False]]
@@ -70,8 +81,15 @@ def test_protocol_errors_are_clear():
     with pytest.raises(ValueError, match="missing"):
         normalize_layers([{"name": "l", "num_heads": 2, "spans": [{"param": w}]}])
     with pytest.raises(ValueError, match="fewer than num_heads"):
-        normalize_layers([{"name": "l", "num_heads": 2, "spans": [
-            {"param": w, "stride": 6, "start": 0, "length": 3, "power": 1.0}]}])
+        normalize_layers(
+            [
+                {
+                    "name": "l",
+                    "num_heads": 2,
+                    "spans": [{"param": w, "stride": 6, "start": 0, "length": 3, "power": 1.0}],
+                }
+            ]
+        )
     with pytest.raises(ValueError, match="expected \\[1, num_heads\\]"):
         apply_qk_clip(normalize_layers([{"name": "l", "num_heads": 1, "spans": []}]), torch.zeros(2, 1), 1.0)
 
@@ -95,7 +113,9 @@ def test_adamw_groups_match_torch_adamw():
     torch.manual_seed(0)
     emb = nn.Parameter(torch.randn(10, 4))
     ref = nn.Parameter(emb.detach().clone())
-    o1 = MuonClip([{"params": [emb], "algorithm": "adamw"}], lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), tau=None)
+    o1 = MuonClip(
+        [{"params": [emb], "algorithm": "adamw"}], lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), tau=None
+    )
     o2 = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     for _ in range(4):
         g = torch.randn(10, 4)

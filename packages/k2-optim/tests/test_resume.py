@@ -9,7 +9,9 @@ from k2_optim.testing import loud_mla_model
 
 def _build(seed=5):
     model = loud_mla_model(seed=seed, gain=6.0)
-    opt = MuonClip(model, lr=3e-2, weight_decay=0.1, tau=8.0, ns_coefficients="polar_express", ns_dtype=torch.float32)
+    opt = MuonClip(
+        model, lr=3e-2, weight_decay=0.1, tau=8.0, ns_coefficients="polar_express", ns_dtype=torch.float32
+    )
     sched = wsd_schedule(opt, warmup_steps=2, stable_steps=1, decay_steps=4, min_lr_ratio=0.1)
     return model, opt, sched
 

@@ -196,9 +196,11 @@ HONEST = [
     ("Write about rivers without commas.", ESSAY.replace(",", ""), [{"type": "no_commas"}]),
     (
         "Write a story that mentions a dragon and a castle.",
-        "Long ago a young dragon lived beneath an old castle on the hill. Each night she counted the stars "
-        "and each morning she guarded the gate. When the king fell ill the dragon flew across the mountains "
-        "to find a healer and the castle celebrated her return.",
+        (
+            "Long ago a young dragon lived beneath an old castle on the hill. Each night she counted the stars "
+            "and each morning she guarded the gate. When the king fell ill the dragon flew across the mountains "
+            "to find a healer and the castle celebrated her return."
+        ),
         [{"type": "keywords", "keywords": ["dragon", "castle"]}, {"type": "word_count", "min": 30}],
     ),
     (
@@ -208,8 +210,10 @@ HONEST = [
     ),
     (
         "Summarise the water cycle in two paragraphs.",
-        "Water evaporates from oceans and lakes when the sun heats it. The vapour rises and cools into clouds.\n\n"
-        "When droplets grow heavy they fall as rain or snow. The water cycle then starts again.",
+        (
+            "Water evaporates from oceans and lakes when the sun heats it. The vapour rises and cools into clouds.\n\n"
+            "When droplets grow heavy they fall as rain or snow. The water cycle then starts again."
+        ),
         [{"type": "paragraph_count", "n": 2}, {"type": "keywords", "keywords": ["water cycle"]}],
     ),
     (

@@ -33,18 +33,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     bench.add_argument("--ranks", type=int, default=2, help="gloo ranks (default 2)")
-    bench.add_argument("--size-mb", type=float, default=256.0, help="total checkpoint size in MiB (default 256)")
-    bench.add_argument("--bucket-mb", type=float, default=32.0, help="maximum bucket size in MiB (default 32)")
-    bench.add_argument("--repeats", type=int, default=10,
-                       help="timed updates, each followed by a raw broadcast (best and median reported; default 10)")
-    bench.add_argument("--direct", action="store_true",
-                       help="receivers load each bucket at once (exact reporting) instead of staging")
-    bench.add_argument("--copy-commit", action="store_true",
-                       help="staged commit by copy instead of swapping tensors in (ModuleAdapter(assign=False))")
-    bench.add_argument("--agree-every", type=int, default=4,
-                       help="ranks vote on failures before every n-th bucket (default 4)")
+    bench.add_argument(
+        "--size-mb", type=float, default=256.0, help="total checkpoint size in MiB (default 256)"
+    )
+    bench.add_argument(
+        "--bucket-mb", type=float, default=32.0, help="maximum bucket size in MiB (default 32)"
+    )
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=10,
+        help="timed updates, each followed by a raw broadcast (best and median reported; default 10)",
+    )
+    bench.add_argument(
+        "--direct",
+        action="store_true",
+        help="receivers load each bucket at once (exact reporting) instead of staging",
+    )
+    bench.add_argument(
+        "--copy-commit",
+        action="store_true",
+        help="staged commit by copy instead of swapping tensors in (ModuleAdapter(assign=False))",
+    )
+    bench.add_argument(
+        "--agree-every",
+        type=int,
+        default=4,
+        help="ranks vote on failures before every n-th bucket (default 4)",
+    )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
-    bench.add_argument("--out", type=Path, default=None, help="run directory for bench.json (default runs/ckpt-bench-TIME)")
+    bench.add_argument(
+        "--out", type=Path, default=None, help="run directory for bench.json (default runs/ckpt-bench-TIME)"
+    )
     bench.set_defaults(func=run_bench)
 
     serve = sub.add_parser(
@@ -74,13 +94,25 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.size_mb <= 0 or args.bucket_mb <= 0:
         print("k2 ckpt bench: --size-mb and --bucket-mb must be positive", file=sys.stderr)
         return 2
-    cfg = BenchConfig(ranks=args.ranks, size_mb=args.size_mb, bucket_mb=args.bucket_mb, repeats=args.repeats,
-                      staged=not args.direct, assign=not args.copy_commit, agree_every=args.agree_every)
+    cfg = BenchConfig(
+        ranks=args.ranks,
+        size_mb=args.size_mb,
+        bucket_mb=args.bucket_mb,
+        repeats=args.repeats,
+        staged=not args.direct,
+        assign=not args.copy_commit,
+        agree_every=args.agree_every,
+    )
     out_dir = args.out or Path("runs") / f"ckpt-bench-{time.strftime('%Y%m%d-%H%M%S')}"
-    mode = "direct" if args.direct else ("staged, copy commit" if args.copy_commit else "staged, assign commit")
+    mode = (
+        "direct" if args.direct else ("staged, copy commit" if args.copy_commit else "staged, assign commit")
+    )
     if not args.json:
-        print(f"k2 ckpt bench: {cfg.ranks} gloo ranks, {cfg.size_mb:g} MiB, buckets <= {cfg.bucket_mb:g} MiB, "
-              f"{cfg.repeats} repeats, receivers {mode}", file=sys.stderr)
+        print(
+            f"k2 ckpt bench: {cfg.ranks} gloo ranks, {cfg.size_mb:g} MiB, buckets <= {cfg.bucket_mb:g} MiB, "
+            f"{cfg.repeats} repeats, receivers {mode}",
+            file=sys.stderr,
+        )
     if args.json:
         res = bench(cfg)
     else:
@@ -105,12 +137,29 @@ def _print_table(res: dict) -> None:
     from rich.table import Table
 
     t = Table(title="k2 ckpt bench (same run)")
-    for col in ("ranks", "MiB", "buckets", "update s", "update GB/s", "raw bcast GB/s", "ratio (best)",
-                "ratio (median)", "verified"):
+    for col in (
+        "ranks",
+        "MiB",
+        "buckets",
+        "update s",
+        "update GB/s",
+        "raw bcast GB/s",
+        "ratio (best)",
+        "ratio (median)",
+        "verified",
+    ):
         t.add_column(col, justify="right")
-    t.add_row(str(res["ranks"]), f"{res['size_mb']:.0f}", str(res["num_buckets"]), f"{res['update_s']:.3f}",
-              f"{res['update_gbps']:.2f}", f"{res['raw_broadcast_gbps']:.2f}", f"{res['ratio']:.2f}",
-              f"{res['median_ratio']:.2f}", "yes" if res["verified"] else "NO")
+    t.add_row(
+        str(res["ranks"]),
+        f"{res['size_mb']:.0f}",
+        str(res["num_buckets"]),
+        f"{res['update_s']:.3f}",
+        f"{res['update_gbps']:.2f}",
+        f"{res['raw_broadcast_gbps']:.2f}",
+        f"{res['ratio']:.2f}",
+        f"{res['median_ratio']:.2f}",
+        "yes" if res["verified"] else "NO",
+    )
     Console().print(t)
 
 
@@ -124,7 +173,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     dist.init_process_group("gloo" if not _cuda() else "nccl")
     rank = dist.get_rank()
-    ps = ParameterServer(config=ServerConfig(max_bucket_bytes=int(args.bucket_mb * 2**20), timeout_s=args.timeout_s))
+    ps = ParameterServer(
+        config=ServerConfig(max_bucket_bytes=int(args.bucket_mb * 2**20), timeout_s=args.timeout_s)
+    )
     if args.uds:
         uds = args.uds.replace("{rank}", str(rank))
         srv = BackgroundServer(make_server_app(ps), uds=uds).start()

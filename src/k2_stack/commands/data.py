@@ -38,18 +38,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "interpreter's standard library source) is used."
         ),
     )
-    tok.add_argument("inputs", nargs="*", metavar="INPUT", help="files or directories (default: the stdlib corpus)")
+    tok.add_argument(
+        "inputs", nargs="*", metavar="INPUT", help="files or directories (default: the stdlib corpus)"
+    )
     tok.add_argument("--out", required=True, type=Path, help="output directory")
-    tok.add_argument("--tokenizer", help="tokenizer dir or tokenizer.json (default: k2-data's bundled 8192-id BPE)")
-    tok.add_argument("--text-field", default="text", help="field/column holding the text in JSONL/Parquet/Arrow")
+    tok.add_argument(
+        "--tokenizer", help="tokenizer dir or tokenizer.json (default: k2-data's bundled 8192-id BPE)"
+    )
+    tok.add_argument(
+        "--text-field", default="text", help="field/column holding the text in JSONL/Parquet/Arrow"
+    )
     tok.add_argument("--format", choices=["arrow", "parquet"], default="arrow", help="shard format")
     tok.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="processes")
-    tok.add_argument("--on-error", choices=["fail", "skip"], default="fail",
-                     help="a bad record fails the run (default) or is skipped and listed in the manifest")
+    tok.add_argument(
+        "--on-error",
+        choices=["fail", "skip"],
+        default="fail",
+        help="a bad record fails the run (default) or is skipped and listed in the manifest",
+    )
     tok.add_argument("--shard-mb", type=float, default=16.0, help="text per shard, in MiB")
-    tok.add_argument("--engine", choices=["auto", "hf"], default="auto",
-                     help="auto: the BPE's tiktoken engine (about 5x faster; every 64th document checked "
-                          "against HF tokenizers), hf: HF tokenizers only")
+    tok.add_argument(
+        "--engine",
+        choices=["auto", "hf"],
+        default="auto",
+        help="auto: the BPE's tiktoken engine (about 5x faster; every 64th document checked "
+        "against HF tokenizers), hf: HF tokenizers only",
+    )
     tok.set_defaults(func=run_tokenize)
 
     train = sub.add_parser(
@@ -61,12 +75,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     train.add_argument("inputs", nargs="*", metavar="INPUT", help="text files or directories")
-    train.add_argument("--out", required=True, type=Path, help="output directory (tokenizer.json + tokenizer_config.json)")
+    train.add_argument(
+        "--out", required=True, type=Path, help="output directory (tokenizer.json + tokenizer_config.json)"
+    )
     train.add_argument("--vocab-size", type=int, default=8192, help="total ids, including the 256 specials")
     train.set_defaults(func=run_train_tokenizer)
 
-    insp = sub.add_parser("inspect", help="summarise a tokenized dataset and decode a packed sample",
-                          description="Print a tokenized dataset's manifest summary and decode its first packed sample.")
+    insp = sub.add_parser(
+        "inspect",
+        help="summarise a tokenized dataset and decode a packed sample",
+        description="Print a tokenized dataset's manifest summary and decode its first packed sample.",
+    )
     insp.add_argument("dir", type=Path, help="a directory written by `k2 data tokenize`")
     insp.add_argument("--seq-len", type=int, default=128, help="sample length to pack and show")
     insp.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -76,23 +95,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "sft",
         help="tokenize chat conversations (JSONL/Parquet/Arrow) into SFT shards with a loss mask",
         description=(
-            "Tokenize chat records {\"messages\": [...], \"tools\": [...]} (OpenAI format, tool calls included) "
+            'Tokenize chat records {"messages": [...], "tools": [...]} (OpenAI format, tool calls included) '
             "in the Kimi K2 chat format into shards with one row per conversation (input_ids list<int32>, "
             "loss_mask list<uint8>: 1 on assistant turns, doc_id, source) and a manifest.json with "
-            "\"kind\": \"chat\". Records that are not valid JSON, lack messages or fail validation (unanswered "
+            '"kind": "chat". Records that are not valid JSON, lack messages or fail validation (unanswered '
             "tool calls, undeclared functions, arguments that are not a JSON object, no assistant turn, ...) "
             "are listed with file:line and skipped (or fail the run with --on-error fail). Resumable."
         ),
     )
-    sft.add_argument("inputs", nargs="+", metavar="INPUT", help="JSONL, Parquet or Arrow files, or directories of them")
+    sft.add_argument(
+        "inputs", nargs="+", metavar="INPUT", help="JSONL, Parquet or Arrow files, or directories of them"
+    )
     sft.add_argument("--out", required=True, type=Path, help="output directory")
-    sft.add_argument("--tokenizer", help="tokenizer dir or tokenizer.json (default: k2-data's bundled 8192-id BPE)")
+    sft.add_argument(
+        "--tokenizer", help="tokenizer dir or tokenizer.json (default: k2-data's bundled 8192-id BPE)"
+    )
     sft.add_argument("--messages-field", default="messages", help="field/column holding the messages list")
-    sft.add_argument("--tools-field", default="tools", help="field/column holding the tools list (optional per record)")
+    sft.add_argument(
+        "--tools-field", default="tools", help="field/column holding the tools list (optional per record)"
+    )
     sft.add_argument("--format", choices=["arrow", "parquet"], default="arrow", help="shard format")
     sft.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="processes")
-    sft.add_argument("--on-error", choices=["skip", "fail"], default="skip",
-                     help="a bad record is skipped and listed (default) or fails the run")
+    sft.add_argument(
+        "--on-error",
+        choices=["skip", "fail"],
+        default="skip",
+        help="a bad record is skipped and listed (default) or fails the run",
+    )
     sft.add_argument("--shard-mb", type=float, default=16.0, help="input per shard, in MiB")
     sft.set_defaults(func=run_sft)
 
@@ -102,7 +131,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Write k2-data's deterministic, generated tool-use SFT set: calculator, unit conversion, weather "
             "and time tools plus no-tool chit-chat. train.jsonl holds whole conversations (tokenize them with "
-            "`k2 data sft`); heldout.jsonl holds prompts (system + user) with a \"reference\" call or null."
+            '`k2 data sft`); heldout.jsonl holds prompts (system + user) with a "reference" call or null.'
         ),
     )
     ex.add_argument("--out", required=True, type=Path, help="output directory")
@@ -119,31 +148,47 @@ def run_tokenize(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     cfg = TokenizeConfig(
-        text_field=args.text_field, format=args.format, workers=args.workers,
-        on_error=args.on_error, shard_bytes=max(1, int(args.shard_mb * 2**20)), engine=args.engine,
+        text_field=args.text_field,
+        format=args.format,
+        workers=args.workers,
+        on_error=args.on_error,
+        shard_bytes=max(1, int(args.shard_mb * 2**20)),
+        engine=args.engine,
     )
     what = ", ".join(args.inputs) if args.inputs else "the default corpus (Python stdlib source)"
-    print(f"tokenizing {what} -> {args.out} ({cfg.format}, {cfg.workers} workers, "
-          f"tokenizer {args.tokenizer or 'k2-data default BPE'})", file=sys.stderr)
+    print(
+        f"tokenizing {what} -> {args.out} ({cfg.format}, {cfg.workers} workers, "
+        f"tokenizer {args.tokenizer or 'k2-data default BPE'})",
+        file=sys.stderr,
+    )
     t0 = time.perf_counter()
-    with Progress(TextColumn("shards"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
+    with Progress(
+        TextColumn("shards"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
         task = progress.add_task("tokenize", total=None)
 
         def on_shard(done: int, total: int, meta: dict) -> None:
             progress.update(task, completed=done, total=total)
 
         try:
-            manifest = tokenize_corpus(args.inputs or None, args.out, tokenizer=args.tokenizer, config=cfg,
-                                       progress=on_shard)
+            manifest = tokenize_corpus(
+                args.inputs or None, args.out, tokenizer=args.tokenizer, config=cfg, progress=on_shard
+            )
         except (BadRecordError, ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
     dt = time.perf_counter() - t0
     _print_skipped(manifest, limit=20)
-    print(f"{manifest['num_docs']} documents, {manifest['num_tokens']} tokens in {len(manifest['shards'])} shards "
-          f"({manifest['resumed_shards']} kept from an earlier run), {manifest['num_skipped']} skipped, "
-          f"{manifest['num_tokens'] / max(dt, 1e-9):,.0f} tokens/s")
+    print(
+        f"{manifest['num_docs']} documents, {manifest['num_tokens']} tokens in {len(manifest['shards'])} shards "
+        f"({manifest['resumed_shards']} kept from an earlier run), {manifest['num_skipped']} skipped, "
+        f"{manifest['num_tokens'] / max(dt, 1e-9):,.0f} tokens/s"
+    )
     print(f"wrote {args.out}")
     return 0
 
@@ -164,24 +209,41 @@ def run_sft(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     try:
-        cfg = ChatTokenizeConfig(messages_field=args.messages_field, tools_field=args.tools_field, format=args.format,
-                        workers=args.workers, on_error=args.on_error, shard_bytes=max(1, int(args.shard_mb * 2**20)))
+        cfg = ChatTokenizeConfig(
+            messages_field=args.messages_field,
+            tools_field=args.tools_field,
+            format=args.format,
+            workers=args.workers,
+            on_error=args.on_error,
+            shard_bytes=max(1, int(args.shard_mb * 2**20)),
+        )
         cfg.validate()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"tokenizing chat records from {', '.join(args.inputs)} -> {args.out} ({cfg.format}, {cfg.workers} workers, "
-          f"on error: {cfg.on_error}, tokenizer {args.tokenizer or 'k2-data default BPE'})", file=sys.stderr)
+    print(
+        f"tokenizing chat records from {', '.join(args.inputs)} -> {args.out} ({cfg.format}, {cfg.workers} workers, "
+        f"on error: {cfg.on_error}, tokenizer {args.tokenizer or 'k2-data default BPE'})",
+        file=sys.stderr,
+    )
     t0 = time.perf_counter()
-    with Progress(TextColumn("shards"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
+    with Progress(
+        TextColumn("shards"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
         task = progress.add_task("sft", total=None)
 
         def on_shard(done: int, total: int, meta: dict) -> None:
             progress.update(task, completed=done, total=total)
 
         try:
-            manifest = tokenize_chat(args.inputs, args.out, tokenizer=args.tokenizer, config=cfg, progress=on_shard)
+            manifest = tokenize_chat(
+                args.inputs, args.out, tokenizer=args.tokenizer, config=cfg, progress=on_shard
+            )
         except (BadRecordError, ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -193,16 +255,23 @@ def run_sft(args: argparse.Namespace) -> int:
     for what, value in [
         ("conversations", f"{manifest['num_docs']:,}"),
         ("tokens", f"{manifest['num_tokens']:,}"),
-        ("trained tokens (mask 1)", f"{manifest['num_trained_tokens']:,} "
-                                    f"({manifest['num_trained_tokens'] / max(manifest['num_tokens'], 1):.1%})"),
+        (
+            "trained tokens (mask 1)",
+            (
+                f"{manifest['num_trained_tokens']:,} "
+                f"({manifest['num_trained_tokens'] / max(manifest['num_tokens'], 1):.1%})"
+            ),
+        ),
         ("skipped records", f"{manifest['num_skipped']:,}"),
         ("shards", f"{len(manifest['shards'])} ({manifest['resumed_shards']} kept from an earlier run)"),
         ("seconds", f"{dt:.2f}"),
     ]:
         table.add_row(what, value)
     Console().print(table)
-    print(f"{manifest['num_docs']} conversations, {manifest['num_tokens']} tokens, "
-          f"{manifest['num_trained_tokens']} trained, {manifest['num_skipped']} skipped")
+    print(
+        f"{manifest['num_docs']} conversations, {manifest['num_tokens']} tokens, "
+        f"{manifest['num_trained_tokens']} trained, {manifest['num_skipped']} skipped"
+    )
     print(f"wrote {args.out}")
     return 0
 
@@ -210,10 +279,15 @@ def run_sft(args: argparse.Namespace) -> int:
 def run_tooluse_example(args: argparse.Namespace) -> int:
     from k2_data.examples.tooluse import write_tooluse_dataset
 
-    print(f"generating the tool-use SFT set (seed {args.seed}): {args.n_train} train, {args.n_heldout} held-out "
-          f"-> {args.out}", file=sys.stderr)
+    print(
+        f"generating the tool-use SFT set (seed {args.seed}): {args.n_train} train, {args.n_heldout} held-out "
+        f"-> {args.out}",
+        file=sys.stderr,
+    )
     try:
-        counts = write_tooluse_dataset(args.out, n_train=args.n_train, n_heldout=args.n_heldout, seed=args.seed)
+        counts = write_tooluse_dataset(
+            args.out, n_train=args.n_train, n_heldout=args.n_heldout, seed=args.seed
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -233,7 +307,9 @@ def run_train_tokenizer(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     tok.save(args.out)
-    print(f"{tok.num_base_tokens} BPE ids + 256 special ids (EOS = {tok.eos_id}), sha256 {tok.fingerprint()[:16]}")
+    print(
+        f"{tok.num_base_tokens} BPE ids + 256 special ids (EOS = {tok.eos_id}), sha256 {tok.fingerprint()[:16]}"
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -15,8 +15,10 @@ EXTRA = [
     (
         "data",
         str,
-        "chat JSONL/Parquet/Arrow (messages + tools) or a dir from `k2 data sft` "
-        "(None: the shipped tool-use example set)",
+        (
+            "chat JSONL/Parquet/Arrow (messages + tools) or a dir from `k2 data sft` "
+            "(None: the shipped tool-use example set)"
+        ),
     ),
     ("packing", str, "whole (conversations never split across samples) or stream"),
 ]

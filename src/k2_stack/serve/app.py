@@ -56,21 +56,32 @@ def create_app(bridge: EngineBridge, ckpt_rank: int | None = 0) -> FastAPI:
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
         err = e.errors()[0] if e.errors() else {}
         loc = ".".join(str(x) for x in err.get("loc", ())[1:]) or None
-        return JSONResponse(error_body(f"{loc or 'body'}: {err.get('msg', 'invalid request')}", param=loc), 400)
+        return JSONResponse(
+            error_body(f"{loc or 'body'}: {err.get('msg', 'invalid request')}", param=loc), 400
+        )
 
     def check_model(model: str) -> None:
         if model != name:
-            raise APIError(404, f"The model `{model}` does not exist (this server serves `{name}`).",
-                           "model", "model_not_found")
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist (this server serves `{name}`).",
+                "model",
+                "model_not_found",
+            )
 
     def sampling(req: _Sampling, prompt_len: int, max_tokens: int | None) -> SamplingParams:
         if req.n != 1:
             raise APIError(400, f"n must be 1 (got {req.n})", "n")
         room = bridge.max_model_len - prompt_len
         if room <= 0 or (max_tokens is not None and max_tokens > room):
-            raise APIError(400, f"This model's maximum context length is {bridge.max_model_len} tokens. However, "
-                           f"you requested {prompt_len + (max_tokens or 0)} tokens ({prompt_len} in the messages, "
-                           f"{max_tokens or 0} in the completion).", "messages", "context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {bridge.max_model_len} tokens. However, "
+                f"you requested {prompt_len + (max_tokens or 0)} tokens ({prompt_len} in the messages, "
+                f"{max_tokens or 0} in the completion).",
+                "messages",
+                "context_length_exceeded",
+            )
         kw: dict[str, Any] = {"max_tokens": room if max_tokens is None else max_tokens}
         for field in ("temperature", "top_p", "top_k", "seed"):
             if getattr(req, field) is not None:
@@ -89,8 +100,18 @@ def create_app(bridge: EngineBridge, ckpt_rank: int | None = 0) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "k2",
-                                            "max_model_len": bridge.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "k2",
+                    "max_model_len": bridge.max_model_len,
+                }
+            ],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest) -> Any:
@@ -107,8 +128,12 @@ def create_app(bridge: EngineBridge, ckpt_rank: int | None = 0) -> FastAPI:
             if m["role"] == "developer":
                 m["role"] = "system"
         try:
-            prompt_ids = render_ids(bridge.tokenizer, messages, tools=tools if choice != "none" else None,
-                                    add_generation_prompt=True)
+            prompt_ids = render_ids(
+                bridge.tokenizer,
+                messages,
+                tools=tools if choice != "none" else None,
+                add_generation_prompt=True,
+            )
         except (ValueError, TypeError, KeyError) as e:
             raise APIError(400, f"messages: {e}", "messages") from None
         params = sampling(req, len(prompt_ids), req.max_completion_tokens or req.max_tokens)
@@ -117,17 +142,25 @@ def create_app(bridge: EngineBridge, ckpt_rank: int | None = 0) -> FastAPI:
         if choice == "required" or named is not None:
             index = sum(len(m.get("tool_calls") or []) for m in messages)
             try:
-                call = bridge.guided_call(prompt_ids, tools, named, index, params.max_tokens,
-                                          params.temperature, params.seed)
+                call = bridge.guided_call(
+                    prompt_ids, tools, named, index, params.max_tokens, params.temperature, params.seed
+                )
             except ValueError as e:
-                raise APIError(400, str(e), "tools" if str(e).startswith("tools:") else "tool_choice") from None
+                raise APIError(
+                    400, str(e), "tools" if str(e).startswith("tools:") else "tool_choice"
+                ) from None
             pieces = _guided_pieces(bridge, call)
         else:
             pieces = _engine_pieces(bridge, prompt_ids, params)
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-            return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            return {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": now,
+                "model": name,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            }
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -151,8 +184,16 @@ def create_app(bridge: EngineBridge, ckpt_rank: int | None = 0) -> FastAPI:
                     tools_called = end.tools_called
                 yield _sse(chunk({}, "tool_calls" if tools_called else _finish(reason)))
                 if include_usage:
-                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": now, "model": name,
-                                "choices": [], "usage": _usage(len(prompt_ids), n_out)})
+                    yield _sse(
+                        {
+                            "id": rid,
+                            "object": "chat.completion.chunk",
+                            "created": now,
+                            "model": name,
+                            "choices": [],
+                            "usage": _usage(len(prompt_ids), n_out),
+                        }
+                    )
                 yield _sse("[DONE]")
 
             return StreamingResponse(events(), media_type="text/event-stream")
@@ -163,10 +204,21 @@ def create_app(bridge: EngineBridge, ckpt_rank: int | None = 0) -> FastAPI:
             reason = fin or reason
         content, calls = parse_tool_calls(text) if parse_tools else (text, [])
         message = {"role": "assistant", "content": content or None, "tool_calls": calls or None}
-        return {"id": rid, "object": "chat.completion", "created": now, "model": name,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
-                             "finish_reason": "tool_calls" if calls else _finish(reason)}],
-                "usage": _usage(len(prompt_ids), n_out)}
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": now,
+            "model": name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": "tool_calls" if calls else _finish(reason),
+                }
+            ],
+            "usage": _usage(len(prompt_ids), n_out),
+        }
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> Any:
@@ -192,10 +244,16 @@ def create_app(bridge: EngineBridge, ckpt_rank: int | None = 0) -> FastAPI:
         n_prompt = sum(len(ids) for ids in prompts)
 
         def body(i: int, text: str, finish: str | None) -> dict[str, Any]:
-            return {"id": rid, "object": "text_completion", "created": now, "model": name,
-                    "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}]}
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": now,
+                "model": name,
+                "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}],
+            }
 
         if req.stream:
+
             async def events() -> AsyncIterator[str]:
                 n_out = 0
                 for i, e in enumerate(echo):
@@ -208,8 +266,16 @@ def create_app(bridge: EngineBridge, ckpt_rank: int | None = 0) -> FastAPI:
                         if text or fin:
                             yield _sse(body(i, text, _finish(fin) if fin else None))
                 if req.stream_options and req.stream_options.include_usage:
-                    yield _sse({"id": rid, "object": "text_completion", "created": now, "model": name,
-                                "choices": [], "usage": _usage(n_prompt, n_out)})
+                    yield _sse(
+                        {
+                            "id": rid,
+                            "object": "text_completion",
+                            "created": now,
+                            "model": name,
+                            "choices": [],
+                            "usage": _usage(n_prompt, n_out),
+                        }
+                    )
                 yield _sse("[DONE]")
 
             return StreamingResponse(events(), media_type="text/event-stream")
@@ -221,9 +287,16 @@ def create_app(bridge: EngineBridge, ckpt_rank: int | None = 0) -> FastAPI:
             return text, n_out, reason
 
         results = await asyncio.gather(*(collect(i) for i in range(len(prompts))))
-        return {"id": rid, "object": "text_completion", "created": now, "model": name,
-                "choices": [body(i, text, _finish(reason))["choices"][0] for i, (text, _, reason) in enumerate(results)],
-                "usage": _usage(n_prompt, sum(n for _, n, _ in results))}
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": now,
+            "model": name,
+            "choices": [
+                body(i, text, _finish(reason))["choices"][0] for i, (text, _, reason) in enumerate(results)
+            ],
+            "usage": _usage(n_prompt, sum(n for _, n, _ in results)),
+        }
 
     return app
 
@@ -237,7 +310,7 @@ async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, 
         try:
             async for item in it:
                 await queue.put((i, item))
-        except Exception as e:  # noqa: BLE001 - re-raised by the consumer
+        except Exception as e:
             await queue.put((i, e))
         else:
             await queue.put((i, done))
@@ -258,8 +331,9 @@ async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, 
             t.cancel()
 
 
-async def _engine_pieces(bridge: EngineBridge, prompt_ids: list[int], params: SamplingParams
-                         ) -> AsyncIterator[tuple[str, int, str | None]]:
+async def _engine_pieces(
+    bridge: EngineBridge, prompt_ids: list[int], params: SamplingParams
+) -> AsyncIterator[tuple[str, int, str | None]]:
     """(text delta, new tokens, finish reason or None) per engine step of one request."""
     async with aclosing(bridge.generate(prompt_ids, params)) as outs:
         async for out in outs:

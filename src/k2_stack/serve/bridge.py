@@ -74,10 +74,29 @@ class EngineBridge:
                 self.num_aborted += 1
                 self.runner.abort(rid)
 
-    def guided_call(self, prompt_ids: Sequence[int], tools: list[dict[str, Any]], name: str | None,
-                    call_index: int, max_tokens: int, temperature: float, seed: int | None) -> GuidedCall:
-        return GuidedCall(self.model, self.tokenizer, self.lltok, prompt_ids, tools, name, call_index,
-                          max_tokens, self.max_model_len, temperature, seed)
+    def guided_call(
+        self,
+        prompt_ids: Sequence[int],
+        tools: list[dict[str, Any]],
+        name: str | None,
+        call_index: int,
+        max_tokens: int,
+        temperature: float,
+        seed: int | None,
+    ) -> GuidedCall:
+        return GuidedCall(
+            self.model,
+            self.tokenizer,
+            self.lltok,
+            prompt_ids,
+            tools,
+            name,
+            call_index,
+            max_tokens,
+            self.max_model_len,
+            temperature,
+            seed,
+        )
 
     async def run_guided(self, call: GuidedCall) -> AsyncIterator[list[int]]:
         """The token ids a guided call adds, one engine boundary at a time."""
@@ -97,7 +116,9 @@ class EngineBridge:
                 raise KeyError(f"update_weights: names not in the model: {unknown[:5]}")
             for k, v in state_dict.items():
                 if params[k].shape != v.shape:
-                    raise ValueError(f"update_weights: {k} has shape {tuple(v.shape)}, model has {tuple(params[k].shape)}")
+                    raise ValueError(
+                        f"update_weights: {k} has shape {tuple(v.shape)}, model has {tuple(params[k].shape)}"
+                    )
                 params[k].copy_(v)
             return sorted(state_dict)
 
@@ -108,9 +129,15 @@ class EngineBridge:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def build_bridge(model_dir: str | None, preset: str | None, served_model_name: str | None = None,
-                 max_batch_size: int = 32, max_model_len: int | None = None, seed: int = 0,
-                 device: str | None = None) -> EngineBridge:
+def build_bridge(
+    model_dir: str | None,
+    preset: str | None,
+    served_model_name: str | None = None,
+    max_batch_size: int = 32,
+    max_model_len: int | None = None,
+    seed: int = 0,
+    device: str | None = None,
+) -> EngineBridge:
     """A bridge for `--model DIR` (HF-format checkpoint; its tokenizer if it has one) or `--preset NAME`
     (random weights from `seed`, the shipped k2-data tokenizer). `device` None: CPU for a preset;
     for a checkpoint CUDA when available (its dtype), else CPU in fp32 (this CPU's bf16 matmuls are slow)."""
@@ -136,5 +163,7 @@ def build_bridge(model_dir: str | None, preset: str | None, served_model_name: s
         tokenizer = load_tokenizer(d if has_tok else None)
         name = served_model_name or d.resolve().name
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids, model vocab_size is {model.config.vocab_size}")
+        raise ValueError(
+            f"tokenizer has {tokenizer.vocab_size} ids, model vocab_size is {model.config.vocab_size}"
+        )
     return EngineBridge(model.eval(), tokenizer, ServeConfig(name, max_batch_size, max_model_len, seed))

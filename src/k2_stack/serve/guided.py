@@ -31,7 +31,9 @@ def llg_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
     """llguidance's view of a k2-data tokenizer (the HF `tokenizers` JSON of the byte-level BPE)."""
     inner = getattr(tokenizer, "_tok", None)
     if inner is None or not hasattr(inner, "to_str"):
-        raise TypeError(f"structured decoding needs a k2-data BPETokenizer (tokenizer.json), got {type(tokenizer).__name__}")
+        raise TypeError(
+            f"structured decoding needs a k2-data BPETokenizer (tokenizer.json), got {type(tokenizer).__name__}"
+        )
     return llguidance.LLTokenizer(inner.to_str(), n_vocab=tokenizer.vocab_size, eos_token=tokenizer.eos_id)
 
 
@@ -79,7 +81,9 @@ class GuidedCall:
         temperature: float = 1.0,
         seed: int | None = None,
     ) -> None:
-        schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+        schemas = {
+            t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools
+        }
         if name is not None and name not in schemas:
             raise ValueError(f"tool_choice names function {name!r}, which is not in tools {sorted(schemas)}")
         self.model, self.tok, self.lltok = model, tokenizer, lltok
@@ -98,7 +102,9 @@ class GuidedCall:
         self.vocab = model.config.vocab_size
         self.max_tokens, self.max_model_len = max_tokens, max_model_len
         self.temperature = temperature
-        self.gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(2**62, (1,))))
+        self.gen = torch.Generator().manual_seed(
+            seed if seed is not None else int(torch.randint(2**62, (1,)))
+        )
         self.prompt_ids = list(prompt_ids)
         sp = tokenizer.token_to_id
         self._special = {m: sp(m) for m in (SECTION_BEGIN, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END, SECTION_END)}
@@ -138,7 +144,12 @@ class GuidedCall:
             for pos in range(self._fed, len(seq)):  # forced runs are a few tokens
                 self.cache.ensure(1, pos + 1)
                 dev = self.cache.device
-                logits = decode(self.model, self.cache, torch.tensor([seq[pos]], device=dev), torch.tensor([pos], device=dev))
+                logits = decode(
+                    self.model,
+                    self.cache,
+                    torch.tensor([seq[pos]], device=dev),
+                    torch.tensor([pos], device=dev),
+                )
         self._fed = len(seq)
         return logits[0]
 
@@ -153,7 +164,10 @@ class GuidedCall:
         if self.finished:
             return []
         before = len(self.generated)
-        if len(self.generated) >= self.max_tokens or len(self.prompt_ids) + len(self.generated) >= self.max_model_len:
+        if (
+            len(self.generated) >= self.max_tokens
+            or len(self.prompt_ids) + len(self.generated) >= self.max_model_len
+        ):
             self._close("length")
             return self.generated[before:]
         logits_N = self._logits_N().cpu()  # masks and the per-request generator live on the host
@@ -168,7 +182,9 @@ class GuidedCall:
             self.matcher.consume_token(token)
         else:
             if not self.matcher.consume_token(token):
-                raise RuntimeError(f"llguidance rejected token {token} it had allowed: {self.matcher.get_error()}")
+                raise RuntimeError(
+                    f"llguidance rejected token {token} it had allowed: {self.matcher.get_error()}"
+                )
             self.generated.append(token)
         if self.matcher.is_stopped() or token == self.tok.eos_id:
             if self.phase == "name":
@@ -190,4 +206,3 @@ class GuidedCall:
         start = text.find(ARGUMENT_BEGIN)
         end = text.find(CALL_END)
         return text[start + len(ARGUMENT_BEGIN) : end if end >= 0 else None] if start >= 0 else ""
-

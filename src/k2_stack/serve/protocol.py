@@ -85,8 +85,9 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
@@ -94,8 +95,14 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 class APIError(Exception):
     """A request error to answer with OpenAI's error shape and an HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
 

@@ -24,8 +24,22 @@ from k2_ckpt.worker import FunctionLoader, ReceiveResult, WeightLoader, update_w
 __version__ = "0.1.0"
 
 __all__ = [
-    "ParameterServer", "ServerConfig", "UpdateStats", "TensorMeta",
-    "update_weights_from_ipc", "WeightLoader", "FunctionLoader", "ReceiveResult", "ModuleAdapter",
-    "CkptError", "CheckpointNotFound", "CheckpointExists", "FileMissing", "BadCheckpoint", "TensorMismatch",
-    "UpdateAborted", "UpdateError", "RankFailure",
+    "ParameterServer",
+    "ServerConfig",
+    "UpdateStats",
+    "TensorMeta",
+    "update_weights_from_ipc",
+    "WeightLoader",
+    "FunctionLoader",
+    "ReceiveResult",
+    "ModuleAdapter",
+    "CkptError",
+    "CheckpointNotFound",
+    "CheckpointExists",
+    "FileMissing",
+    "BadCheckpoint",
+    "TensorMismatch",
+    "UpdateAborted",
+    "UpdateError",
+    "RankFailure",
 ]

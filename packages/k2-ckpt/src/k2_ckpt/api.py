@@ -54,8 +54,12 @@ class MetasResponse(BaseModel):
 
 
 class UpdateRequest(BaseModel):
-    update_urls: list[str] = Field(default_factory=list, description="receiver endpoints to POST the ZMQ handles to")
-    update_uds: list[str] = Field(default_factory=list, description="receiver Unix sockets (path), same route")
+    update_urls: list[str] = Field(
+        default_factory=list, description="receiver endpoints to POST the ZMQ handles to"
+    )
+    update_uds: list[str] = Field(
+        default_factory=list, description="receiver Unix sockets (path), same route"
+    )
     ranks: list[int] | None = Field(default=None, description="receivers to update; null = all (broadcast)")
     timeout_s: float | None = Field(default=None, gt=0)
 
@@ -89,9 +93,12 @@ class ReceiverUpdateResponse(BaseModel):
 
 def _error_response(e: Exception) -> JSONResponse:
     if isinstance(e, UpdateError):
-        body = {"error": "update_failed", "message": str(e),
-                "failures": [dataclasses.asdict(f) for f in e.failures],
-                "applied": {str(k): v for k, v in e.applied.items()}}
+        body = {
+            "error": "update_failed",
+            "message": str(e),
+            "failures": [dataclasses.asdict(f) for f in e.failures],
+            "applied": {str(k): v for k, v in e.applied.items()},
+        }
         return JSONResponse(body, status_code=e.status)
     if isinstance(e, CkptError):
         return JSONResponse({"error": type(e).__name__, "message": str(e)}, status_code=e.status)
@@ -100,7 +107,9 @@ def _error_response(e: Exception) -> JSONResponse:
     return JSONResponse({"error": type(e).__name__, "message": str(e)}, status_code=500)
 
 
-def http_req_func(urls: list[str], uds: list[str], timeout_s: float = 600.0) -> Callable[[dict[str, str]], None]:
+def http_req_func(
+    urls: list[str], uds: list[str], timeout_s: float = 600.0
+) -> Callable[[dict[str, str]], None]:
     """req_func that POSTs the handles to every receiver endpoint concurrently. It raises at the
     first receiver that cannot be reached or answers an error (the others are left running: the
     failed update aborts them), so the servers learn of it while they are still waiting."""
@@ -108,18 +117,24 @@ def http_req_func(urls: list[str], uds: list[str], timeout_s: float = 600.0) -> 
     def req(zmq_handles: dict[str, str]) -> None:
         targets = [(u, None) for u in urls] + [("http://receiver", p) for p in uds]
         if not targets:  # fails the update on every rank (a req_func failure), instead of a timeout
-            raise ValueError("no receivers to call: the update request gave neither update_urls nor update_uds")
+            raise ValueError(
+                "no receivers to call: the update request gave neither update_urls nor update_uds"
+            )
         results: queue.Queue[str | None] = queue.Queue()
 
         def one(url: str, sock: str | None) -> None:
             try:
                 transport = httpx.HTTPTransport(uds=sock) if sock else None
                 with httpx.Client(transport=transport, timeout=timeout_s) as c:
-                    r = c.post(url.rstrip("/") + "/v1/update_weights_from_ipc", json={"zmq_handles": zmq_handles})
+                    r = c.post(
+                        url.rstrip("/") + "/v1/update_weights_from_ipc", json={"zmq_handles": zmq_handles}
+                    )
             except Exception as e:  # unreachable receiver: fail the update now, not at its timeout
                 results.put(f"{sock or url}: {type(e).__name__}: {e}")
                 return
-            results.put(f"{sock or url}: HTTP {r.status_code} {r.text[:500]}" if r.status_code >= 400 else None)
+            results.put(
+                f"{sock or url}: HTTP {r.status_code} {r.text[:500]}" if r.status_code >= 400 else None
+            )
 
         for t in targets:
             threading.Thread(target=one, args=t, daemon=True).start()
@@ -132,15 +147,24 @@ def http_req_func(urls: list[str], uds: list[str], timeout_s: float = 600.0) -> 
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    async def handler(request: Request, e: Exception) -> JSONResponse:  # noqa: ARG001
+    async def handler(request: Request, e: Exception) -> JSONResponse:
         return _error_response(e)
 
-    async def bad_request(request: Request, e: RequestValidationError) -> JSONResponse:  # noqa: ARG001
+    async def bad_request(request: Request, e: RequestValidationError) -> JSONResponse:
         where = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
-        return JSONResponse({"error": "bad_request", "message": where,
-                             "detail": jsonable_encoder(e.errors())}, status_code=422)
+        return JSONResponse(
+            {"error": "bad_request", "message": where, "detail": jsonable_encoder(e.errors())},
+            status_code=422,
+        )
 
-    for exc in (CkptError, ValueError, KeyError, TimeoutError, RuntimeError, OSError):  # OSError: /dev/shm full
+    for exc in (
+        CkptError,
+        ValueError,
+        KeyError,
+        TimeoutError,
+        RuntimeError,
+        OSError,
+    ):  # OSError: /dev/shm full
         app.add_exception_handler(exc, handler)
     app.add_exception_handler(RequestValidationError, bad_request)
 
@@ -163,7 +187,9 @@ def make_server_app(ps: ParameterServer) -> FastAPI:
     @app.post("/v1/checkpoints/{name}/files", response_model=RegisterResponse)
     async def register_files(name: str, req: RegisterFilesRequest) -> RegisterResponse:
         metas = await run(ps.register_checkpoint, name, files=req.files)
-        return RegisterResponse(checkpoint=name, rank=ps.rank, tensors=len(metas), nbytes=sum(m.nbytes for m in metas))
+        return RegisterResponse(
+            checkpoint=name, rank=ps.rank, tensors=len(metas), nbytes=sum(m.nbytes for m in metas)
+        )
 
     @app.post("/v1/checkpoints/{name}/gather-metas", response_model=MetasResponse)
     async def gather(name: str) -> MetasResponse:
@@ -173,8 +199,14 @@ def make_server_app(ps: ParameterServer) -> FastAPI:
     async def update(name: str, req: UpdateRequest) -> UpdateResponse:
         req_func = http_req_func(req.update_urls, req.update_uds)
         st = await run(ps.update, name, req_func, req.ranks, timeout_s=req.timeout_s)
-        return UpdateResponse(checkpoint=name, seconds=st.seconds, nbytes=st.nbytes, gbps=st.gbps,
-                              num_buckets=st.num_buckets, bucket_bytes=st.bucket_bytes)
+        return UpdateResponse(
+            checkpoint=name,
+            seconds=st.seconds,
+            nbytes=st.nbytes,
+            gbps=st.gbps,
+            num_buckets=st.num_buckets,
+            bucket_bytes=st.bucket_bytes,
+        )
 
     @app.delete("/v1/checkpoints/{name}")
     async def delete(name: str) -> dict:
@@ -184,8 +216,14 @@ def make_server_app(ps: ParameterServer) -> FastAPI:
     return app
 
 
-def make_receiver_app(loader: WeightLoader, device_id: str, *, staged: bool = True, timeout_s: float = 300.0,
-                      device: str | None = None) -> FastAPI:
+def make_receiver_app(
+    loader: WeightLoader,
+    device_id: str,
+    *,
+    staged: bool = True,
+    timeout_s: float = 300.0,
+    device: str | None = None,
+) -> FastAPI:
     """The inference side: one update at a time, into `loader`."""
     app = FastAPI(title="k2-ckpt receiver", version="0.1.0")
     lock = threading.Lock()
@@ -201,10 +239,17 @@ def make_receiver_app(loader: WeightLoader, device_id: str, *, staged: bool = Tr
         if device_id not in req.zmq_handles:
             return None  # this update is for other receivers (ranks=[...])
         with lock:
-            res = update_weights_from_ipc(req.zmq_handles[device_id], loader, device=device, device_id=device_id,
-                                          staged=staged, timeout_s=timeout_s)
-        return ReceiverUpdateResponse(checkpoint=res.checkpoint, tensors=res.tensors, buckets=res.buckets,
-                                      seconds=res.seconds)
+            res = update_weights_from_ipc(
+                req.zmq_handles[device_id],
+                loader,
+                device=device,
+                device_id=device_id,
+                staged=staged,
+                timeout_s=timeout_s,
+            )
+        return ReceiverUpdateResponse(
+            checkpoint=res.checkpoint, tensors=res.tensors, buckets=res.buckets, seconds=res.seconds
+        )
 
     return app
 

@@ -78,7 +78,7 @@ def _raw_broadcast(ps: ParameterServer, name: str, bucket_bytes: int, chunked: b
         for owner, buf in bufs.items():
             step = bucket_bytes if chunked else buf.numel()
             for s in range(0, buf.numel(), step):
-                dist.broadcast(buf[s:s + step], src=owner, group=ps.group)
+                dist.broadcast(buf[s : s + step], src=owner, group=ps.group)
         dist.barrier(group=ps.group)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -89,8 +89,14 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, run_dir: str) -> dict:
     eng = EngineProcess(rank, spec, run_dir, staged=cfg.staged, timeout_s=120, assign=cfg.assign)
     try:
         torch.set_num_threads(1)
-        ps = ParameterServer(config=ServerConfig(max_bucket_bytes=int(cfg.bucket_mb * 2**20), timeout_s=120,
-                                                 agree_every=cfg.agree_every, num_slots=cfg.num_slots))
+        ps = ParameterServer(
+            config=ServerConfig(
+                max_bucket_bytes=int(cfg.bucket_mb * 2**20),
+                timeout_s=120,
+                agree_every=cfg.agree_every,
+                num_slots=cfg.num_slots,
+            )
+        )
         mine = {n: make_tensor(n, dt, sh, 1) for n, (dt, sh) in spec.items() if n.split(".")[2] == str(rank)}
         ps.register_checkpoint("bench", named_tensors=mine)
         del mine
@@ -122,19 +128,31 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, run_dir: str) -> dict:
         raw_s = min(raw_chunked_s, raw_whole_s)
         ps.close()
         return {
-            "ranks": world, "size_mb": nbytes / 2**20, "bucket_mb": stats.bucket_bytes / 2**20,
-            "num_buckets": stats.num_buckets, "tensors": len(spec), "staged": cfg.staged, "assign": cfg.assign,
-            "verified": bool(ok.item()), "mismatched": bad[:5],
-            "update_s": update_s, "update_gbps": nbytes / update_s / 1e9,
-            "raw_broadcast_s": raw_s, "raw_broadcast_gbps": nbytes / raw_s / 1e9,
-            "raw_chunked_gbps": nbytes / raw_chunked_s / 1e9, "raw_whole_gbps": nbytes / raw_whole_s / 1e9,
+            "ranks": world,
+            "size_mb": nbytes / 2**20,
+            "bucket_mb": stats.bucket_bytes / 2**20,
+            "num_buckets": stats.num_buckets,
+            "tensors": len(spec),
+            "staged": cfg.staged,
+            "assign": cfg.assign,
+            "verified": bool(ok.item()),
+            "mismatched": bad[:5],
+            "update_s": update_s,
+            "update_gbps": nbytes / update_s / 1e9,
+            "raw_broadcast_s": raw_s,
+            "raw_broadcast_gbps": nbytes / raw_s / 1e9,
+            "raw_chunked_gbps": nbytes / raw_chunked_s / 1e9,
+            "raw_whole_gbps": nbytes / raw_whole_s / 1e9,
             "ratio": raw_s / update_s,
             "median_update_gbps": nbytes / statistics.median(times) / 1e9,
             "median_raw_broadcast_gbps": nbytes / raw_median_s / 1e9,
             "median_ratio": raw_median_s / statistics.median(times),
             # each update against the raw broadcast timed right after it, under the same load
-            "paired_ratio_median": statistics.median(min(c, w) / t for t, c, w in zip(times, raw_chunked, raw_whole)),
-            "update_times_s": times, "phases_s": stats.phases,
+            "paired_ratio_median": statistics.median(
+                min(c, w) / t for t, c, w in zip(times, raw_chunked, raw_whole)
+            ),
+            "update_times_s": times,
+            "phases_s": stats.phases,
         }
     finally:
         eng.stop()
@@ -162,8 +180,18 @@ def k2_like_dims(params: float) -> dict[str, int]:
     shared expert), scaled so the model has about `params` parameters: wide enough at 1B to
     look like a small K2 (32 experts per layer, ~2.5k tensors), narrow below ~300M."""
     H = 1024 if params >= 3e8 else 256
-    d = {"H": H, "V": 32000 if H >= 1024 else 8000, "E": 32 if H >= 1024 else 8, "I": H * 11 // 4,
-         "M": H * 3 // 8, "Q": H * 3 // 8, "K": H // 4, "N": max(1, H // 128), "D": 64, "R": 32}
+    d = {
+        "H": H,
+        "V": 32000 if H >= 1024 else 8000,
+        "E": 32 if H >= 1024 else 8,
+        "I": H * 11 // 4,
+        "M": H * 3 // 8,
+        "Q": H * 3 // 8,
+        "K": H // 4,
+        "N": max(1, H // 128),
+        "D": 64,
+        "R": 32,
+    }
     per_layer = _layer_params(d, moe=True)
     fixed = 2 * d["V"] * H + H + _layer_params(d, moe=False)  # embed, lm_head, final norm, dense layer 0
     d["L"] = 1 + max(1, round((params - fixed) / per_layer))
@@ -172,9 +200,15 @@ def k2_like_dims(params: float) -> dict[str, int]:
 
 def _attn_shapes(d: dict[str, int]) -> dict[str, list[int]]:
     H, Q, K, N, D, R = d["H"], d["Q"], d["K"], d["N"], d["D"], d["R"]
-    return {"q_a_proj.weight": [Q, H], "q_a_layernorm.weight": [Q], "q_b_proj.weight": [N * (D + R), Q],
-            "kv_a_proj_with_mqa.weight": [K + R, H], "kv_a_layernorm.weight": [K],
-            "kv_b_proj.weight": [N * (D + D), K], "o_proj.weight": [H, N * D]}
+    return {
+        "q_a_proj.weight": [Q, H],
+        "q_a_layernorm.weight": [Q],
+        "q_b_proj.weight": [N * (D + R), Q],
+        "kv_a_proj_with_mqa.weight": [K + R, H],
+        "kv_a_layernorm.weight": [K],
+        "kv_b_proj.weight": [N * (D + D), K],
+        "o_proj.weight": [H, N * D],
+    }
 
 
 def _numel(shape: list[int]) -> int:
@@ -269,7 +303,7 @@ def _raw_broadcast_on(ps: ParameterServer, bufs: dict[int, torch.Tensor], step: 
     for owner, buf in bufs.items():
         n = buf.numel()
         for s in range(0, n, step or n):
-            dist.broadcast(buf[s:s + (step or n)], src=owner, group=ps.group)
+            dist.broadcast(buf[s : s + (step or n)], src=owner, group=ps.group)
     _sync(ps)
     return time.perf_counter() - t0
 
@@ -287,7 +321,7 @@ def _pinned_h2d(nbytes: int, step: int, device: torch.device, repeats: int) -> t
             t0 = time.perf_counter()
             size = step if chunked else nbytes
             for s in range(0, nbytes, size):
-                dst[s:s + size].copy_(src[s:s + size], non_blocking=True)
+                dst[s : s + size].copy_(src[s : s + size], non_blocking=True)
             torch.cuda.synchronize(device)
             best[chunked] = min(best[chunked], time.perf_counter() - t0)
     if not torch.equal(dst[:4096].cpu(), src[:4096]):
@@ -298,14 +332,24 @@ def _pinned_h2d(nbytes: int, step: int, device: torch.device, repeats: int) -> t
 def model_bench_rank(rank: int, world: int, cfg: ModelBenchConfig, run_dir: str) -> dict:
     device = torch.device("cuda", rank) if cfg.device == "cuda" else torch.device("cpu")
     spec = k2_like_spec(cfg.params)
-    eng = EngineProcess(rank, spec, run_dir, staged=cfg.staged, timeout_s=300, assign=cfg.assign, device=str(device))
+    eng = EngineProcess(
+        rank, spec, run_dir, staged=cfg.staged, timeout_s=300, assign=cfg.assign, device=str(device)
+    )
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        ps = ParameterServer(device=device, config=ServerConfig(
-            max_bucket_bytes=int(cfg.bucket_mb * 2**20), timeout_s=120, time_h2d=device.type == "cuda"))
+        ps = ParameterServer(
+            device=device,
+            config=ServerConfig(
+                max_bucket_bytes=int(cfg.bucket_mb * 2**20), timeout_s=120, time_h2d=device.type == "cuda"
+            ),
+        )
         t0 = time.perf_counter()
-        mine = {n: _random_tensor(n, dt, sh, device) for n, (dt, sh) in spec.items() if owner_rank(n, world) == rank}
+        mine = {
+            n: _random_tensor(n, dt, sh, device)
+            for n, (dt, sh) in spec.items()
+            if owner_rank(n, world) == rank
+        }
         gen_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         ps.register_checkpoint("model", named_tensors=mine)  # pinned host arena on CUDA
@@ -332,7 +376,11 @@ def model_bench_rank(rank: int, world: int, cfg: ModelBenchConfig, run_dir: str)
             times.append(time.perf_counter() - t0)
             if stats.h2d_s:
                 h2d.append(stats.h2d_bytes / stats.h2d_s / 1e9)
-            raw.append(min(_raw_broadcast_on(ps, raw_bufs, stats.bucket_bytes), _raw_broadcast_on(ps, raw_bufs, None)))
+            raw.append(
+                min(
+                    _raw_broadcast_on(ps, raw_bufs, stats.bucket_bytes), _raw_broadcast_on(ps, raw_bufs, None)
+                )
+            )
         del raw_bufs
         assert stats is not None
         pinned = None
@@ -350,30 +398,54 @@ def model_bench_rank(rank: int, world: int, cfg: ModelBenchConfig, run_dir: str)
         verify_s = time.perf_counter() - t0
         nbytes, update_s, raw_s = stats.nbytes, min(times), min(raw)
         out = {
-            "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "ranks": world, "params": spec_params(spec), "tensors": len(spec), "model_gb": nbytes / 1e9,
-            "bucket_mb": stats.bucket_bytes / 2**20, "num_buckets": stats.num_buckets,
-            "staged": cfg.staged, "assign": cfg.assign,
-            "verified": bool(ok.item()), "mismatched": bad[:5],
-            "update_s": update_s, "update_gbps": nbytes / update_s / 1e9,
-            "median_update_s": statistics.median(times), "update_times_s": times,
-            "raw_broadcast_s": raw_s, "raw_broadcast_gbps": nbytes / raw_s / 1e9, "ratio": raw_s / update_s,
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "ranks": world,
+            "params": spec_params(spec),
+            "tensors": len(spec),
+            "model_gb": nbytes / 1e9,
+            "bucket_mb": stats.bucket_bytes / 2**20,
+            "num_buckets": stats.num_buckets,
+            "staged": cfg.staged,
+            "assign": cfg.assign,
+            "verified": bool(ok.item()),
+            "mismatched": bad[:5],
+            "update_s": update_s,
+            "update_gbps": nbytes / update_s / 1e9,
+            "median_update_s": statistics.median(times),
+            "update_times_s": times,
+            "raw_broadcast_s": raw_s,
+            "raw_broadcast_gbps": nbytes / raw_s / 1e9,
+            "ratio": raw_s / update_s,
             "h2d_pipeline_gbps": max(h2d) if h2d else None,
             "pinned_copy_gbps": per_owner[rank] / min(pinned) / 1e9 if pinned else None,
             "pinned_copy_whole_gbps": per_owner[rank] / pinned[0] / 1e9 if pinned else None,
             "pinned_copy_chunked_gbps": per_owner[rank] / pinned[1] / 1e9 if pinned else None,
-            "phases_s": stats.phases, "generate_s": gen_s, "register_s": register_s, "verify_s": verify_s,
+            "phases_s": stats.phases,
+            "generate_s": gen_s,
+            "register_s": register_s,
+            "verify_s": verify_s,
         }
-        out["h2d_ratio"] = (out["h2d_pipeline_gbps"] / out["pinned_copy_gbps"]
-                            if out["h2d_pipeline_gbps"] and out["pinned_copy_gbps"] else None)
-        out["update_vs_pinned_copy"] = (out["update_gbps"] / out["pinned_copy_gbps"]
-                                        if out["pinned_copy_gbps"] else None)
+        out["h2d_ratio"] = (
+            out["h2d_pipeline_gbps"] / out["pinned_copy_gbps"]
+            if out["h2d_pipeline_gbps"] and out["pinned_copy_gbps"]
+            else None
+        )
+        out["update_vs_pinned_copy"] = (
+            out["update_gbps"] / out["pinned_copy_gbps"] if out["pinned_copy_gbps"] else None
+        )
         notes = []
         if world == 1:
-            notes.append("world size 1: the broadcast has no peer (NCCL/gloo launch cost only), so 'ratio' "
-                         "is not the 2+ rank target; the overlap of broadcast k+1 with loading k across "
-                         "GPUs needs 2+ GPUs" + (". Here the update is bounded by H2D: see update_vs_pinned_copy"
-                                                 if device.type == "cuda" else ""))
+            notes.append(
+                "world size 1: the broadcast has no peer (NCCL/gloo launch cost only), so 'ratio' "
+                "is not the 2+ rank target; the overlap of broadcast k+1 with loading k across "
+                "GPUs needs 2+ GPUs"
+                + (
+                    ". Here the update is bounded by H2D: see update_vs_pinned_copy"
+                    if device.type == "cuda"
+                    else ""
+                )
+            )
         out["notes"] = notes
         ps.close()
         return out
@@ -389,7 +461,9 @@ def run_model_bench(cfg: ModelBenchConfig, timeout_s: float = 600.0) -> dict:
         if not torch.cuda.is_available():
             raise RuntimeError("ModelBenchConfig.device='cuda' but torch sees no CUDA GPU")
         if cfg.ranks > torch.cuda.device_count():
-            raise ValueError(f"ranks={cfg.ranks}: one GPU per rank, but only {torch.cuda.device_count()} visible")
+            raise ValueError(
+                f"ranks={cfg.ranks}: one GPU per rank, but only {torch.cuda.device_count()} visible"
+            )
     elif cfg.device != "cpu":
         raise ValueError(f"device={cfg.device!r}: expected 'cpu' or 'cuda'")
     with tempfile.TemporaryDirectory(prefix="k2ckpt-mbench-") as run_dir:

@@ -89,9 +89,12 @@ def _create_shm_file(total: int) -> str:
         os.unlink(path)
         if e.errno in (errno.ENOSPC, errno.ENOMEM):
             st = os.statvfs(SHM_DIR)
-            raise OSError(e.errno, f"k2-ckpt needs {total / 2**20:.1f} MiB in {SHM_DIR} for a transfer buffer "
-                          f"but only {st.f_bavail * st.f_frsize / 2**20:.1f} MiB are free (containers: "
-                          "raise --shm-size)") from None
+            raise OSError(
+                e.errno,
+                f"k2-ckpt needs {total / 2**20:.1f} MiB in {SHM_DIR} for a transfer buffer "
+                f"but only {st.f_bavail * st.f_frsize / 2**20:.1f} MiB are free (containers: "
+                "raise --shm-size)",
+            ) from None
         raise
     os.close(fd)
     return path
@@ -125,7 +128,7 @@ class SlotBuffer:
 
     def slot(self, i: int, nbytes: int | None = None) -> torch.Tensor:
         start = i * self.slot_bytes
-        return self.data[start:start + (self.slot_bytes if nbytes is None else nbytes)]
+        return self.data[start : start + (self.slot_bytes if nbytes is None else nbytes)]
 
     def handle(self) -> dict:
         if self.path is not None:
@@ -134,8 +137,12 @@ class SlotBuffer:
 
         func, args = reduce_tensor(self.data)
         _EXPORTED[self.key] = self.data
-        return {"kind": "cuda_ipc", "pid": os.getpid(), "key": self.key,
-                "pickle": base64.b64encode(pickle.dumps((func, args))).decode()}
+        return {
+            "kind": "cuda_ipc",
+            "pid": os.getpid(),
+            "key": self.key,
+            "pickle": base64.b64encode(pickle.dumps((func, args))).decode(),
+        }
 
     def unlink(self) -> None:
         if self.path is not None:
@@ -184,4 +191,6 @@ def open_sources(handles: list[dict]) -> list[torch.Tensor]:
     staged views cost no copy, an engine writing into its weights in place gets private pages
     instead of corrupting the registered checkpoint, and the next update of the same checkpoint
     sees the registered bytes again rather than those private pages (a reused mapping would)."""
-    return [torch.from_file(h["path"], shared=False, size=int(h["nbytes"]), dtype=torch.uint8) for h in handles]
+    return [
+        torch.from_file(h["path"], shared=False, size=int(h["nbytes"]), dtype=torch.uint8) for h in handles
+    ]

@@ -38,4 +38,6 @@ def pick_address(zmq_handles: dict[str, str], my_device_id: str) -> str:
     try:
         return zmq_handles[my_device_id]
     except KeyError:
-        raise KeyError(f"no ZMQ address for device {my_device_id!r}; the server offered {sorted(zmq_handles)}") from None
+        raise KeyError(
+            f"no ZMQ address for device {my_device_id!r}; the server offered {sorted(zmq_handles)}"
+        ) from None

@@ -11,9 +11,20 @@ import torch
 _BY_NAME: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (
-        "float64", "float32", "float16", "bfloat16",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-        "int64", "int32", "int16", "int8", "uint8", "bool",
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
     )
     if hasattr(torch, name)
 }

@@ -68,8 +68,9 @@ class UpdateError(CkptError):
     the receivers that had committed with the new set, complete (they are not listed here).
     """
 
-    def __init__(self, checkpoint: str, failures: list[RankFailure],
-                 applied: dict[int, list[str] | None] | None = None):
+    def __init__(
+        self, checkpoint: str, failures: list[RankFailure], applied: dict[int, list[str] | None] | None = None
+    ):
         self.checkpoint = checkpoint
         self.failures = failures
         # rank -> tensors its receiver had loaded before the abort, None = unknown

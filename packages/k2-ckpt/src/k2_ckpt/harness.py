@@ -37,7 +37,9 @@ def digest(t: torch.Tensor) -> str:
 
 def make_tensor(name: str, dtype: str, shape: list[int], version: int) -> torch.Tensor:
     """Deterministic pseudo-random tensor for (name, version)."""
-    seed = int.from_bytes(hashlib.blake2b(f"{name}@{version}".encode(), digest_size=8).digest(), "little") >> 1
+    seed = (
+        int.from_bytes(hashlib.blake2b(f"{name}@{version}".encode(), digest_size=8).digest(), "little") >> 1
+    )
     g = torch.Generator().manual_seed(seed)
     dt = dtype_from_name(dtype)
     if dt.is_floating_point:
@@ -58,8 +60,12 @@ def build_module(spec: Spec, device: torch.device | str = "cpu") -> nn.Module:
             if part not in mod._modules:
                 mod.add_module(part, nn.Module())
             mod = mod._modules[part]
-        mod.register_parameter(leaf, nn.Parameter(torch.zeros(shape, dtype=dtype_from_name(dtype), device=device),
-                                                  requires_grad=False))
+        mod.register_parameter(
+            leaf,
+            nn.Parameter(
+                torch.zeros(shape, dtype=dtype_from_name(dtype), device=device), requires_grad=False
+            ),
+        )
     return root
 
 
@@ -90,8 +96,9 @@ def control_address(run_dir: str, rank: int) -> str:
     return f"ipc://{os.path.join(run_dir, f'engine-{rank}.ctl')}"
 
 
-def _engine_main(rank: int, spec: Spec, ctl: str, staged: bool, timeout_s: float, assign: bool,
-                 device: str = "cpu") -> None:
+def _engine_main(
+    rank: int, spec: Spec, ctl: str, staged: bool, timeout_s: float, assign: bool, device: str = "cpu"
+) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     dev = torch.device(device)
@@ -111,8 +118,15 @@ def _engine_main(rank: int, spec: Spec, ctl: str, staged: bool, timeout_s: float
             if cmd == "update":
                 loader = _FaultyLoader(adapter, *fault) if fault else adapter
                 fault = None
-                res = update_weights_from_ipc(kw["zmq_handles"][me], loader, device=dev, device_id=me,
-                                              staged=staged, timeout_s=timeout_s, zmq_ctx=ctx)
+                res = update_weights_from_ipc(
+                    kw["zmq_handles"][me],
+                    loader,
+                    device=dev,
+                    device_id=me,
+                    staged=staged,
+                    timeout_s=timeout_s,
+                    zmq_ctx=ctx,
+                )
                 reply = ("ok", res.tensors)
             elif cmd == "ping":
                 reply = ("ok", me)
@@ -156,12 +170,22 @@ class EngineProcess:
     no threads yet); on CUDA it is spawned (a forked child cannot use CUDA) and receives
     through CUDA IPC, like a vLLM worker on the same GPU."""
 
-    def __init__(self, rank: int, spec: Spec, run_dir: str, *, staged: bool = True, timeout_s: float = 60.0,
-                 assign: bool = False, device: str = "cpu"):
+    def __init__(
+        self,
+        rank: int,
+        spec: Spec,
+        run_dir: str,
+        *,
+        staged: bool = True,
+        timeout_s: float = 60.0,
+        assign: bool = False,
+        device: str = "cpu",
+    ):
         self.rank, self.ctl = rank, control_address(run_dir, rank)
         method = "spawn" if torch.device(device).type == "cuda" else "fork"
         self.proc = mp.get_context(method).Process(
-            target=_engine_main, args=(rank, spec, self.ctl, staged, timeout_s, assign, device), daemon=True)
+            target=_engine_main, args=(rank, spec, self.ctl, staged, timeout_s, assign, device), daemon=True
+        )
         self.proc.start()
 
     def wait_ready(self, timeout_s: float = 120.0) -> str:
@@ -169,7 +193,9 @@ class EngineProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             if not self.proc.is_alive():
-                raise RuntimeError(f"engine {self.rank} exited with code {self.proc.exitcode} before it was ready")
+                raise RuntimeError(
+                    f"engine {self.rank} exited with code {self.proc.exitcode} before it was ready"
+                )
             try:
                 return self.call("ping", timeout_s=min(5.0, max(0.1, deadline - time.monotonic())))  # type: ignore[return-value]
             except TimeoutError:
@@ -197,8 +223,9 @@ class EngineProcess:
                 self.proc.join()
 
 
-def engines_req_func(run_dir: str, world_size: int, timeout_s: float = 120.0,
-                     device_ids: list[str] | None = None):
+def engines_req_func(
+    run_dir: str, world_size: int, timeout_s: float = 120.0, device_ids: list[str] | None = None
+):
     """req_func for rank 0: ask every engine (concurrently) to run `update_weights_from_ipc`.
 
     `device_ids[r]` is rank r's device id (default: the CPU ids; on CUDA, gather
@@ -231,8 +258,10 @@ def engines_req_func(run_dir: str, world_size: int, timeout_s: float = 120.0,
 def host_digests(server, name: str) -> dict[str, str]:
     """Digests of this rank's registered bytes for checkpoint `name` (the ground truth)."""
     ck = server._ckpts[name]
-    return {m.name: hashlib.blake2b(memoryview(ck.bytes_by_name[m.name].numpy()), digest_size=16).hexdigest()
-            for m in ck.metas}
+    return {
+        m.name: hashlib.blake2b(memoryview(ck.bytes_by_name[m.name].numpy()), digest_size=16).hexdigest()
+        for m in ck.metas
+    }
 
 
 __all__ = ["EngineProcess", "engines_req_func", "make_tensor", "build_module", "digest", "host_digests"]

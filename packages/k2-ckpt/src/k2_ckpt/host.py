@@ -27,9 +27,18 @@ from k2_ckpt.types import BucketItem, TensorMeta
 
 # safetensors dtype codes -> torch dtype names
 _ST_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
 }
 
 
@@ -51,15 +60,26 @@ class HostCheckpoint:
     def nbytes(self) -> int:
         return sum(m.nbytes for m in self.metas)
 
-    def _add(self, name: str, dtype: torch.dtype, shape: list[int], offset: int, data: torch.Tensor,
-             source: str) -> None:
+    def _add(
+        self, name: str, dtype: torch.dtype, shape: list[int], offset: int, data: torch.Tensor, source: str
+    ) -> None:
         if name in self.bytes_by_name:
             raise BadCheckpoint(f"tensor {name!r} registered twice in checkpoint {self.name!r} ({source})")
-        self.metas.append(TensorMeta(name=name, dtype=dtype_name(dtype), shape=list(shape),
-                                     owner=self.rank, offset=offset, nbytes=data.numel()))
+        self.metas.append(
+            TensorMeta(
+                name=name,
+                dtype=dtype_name(dtype),
+                shape=list(shape),
+                owner=self.rank,
+                offset=offset,
+                nbytes=data.numel(),
+            )
+        )
         self.bytes_by_name[name] = data
 
-    def add_named_tensors(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+    def add_named_tensors(
+        self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
         pairs = list(named.items() if isinstance(named, Mapping) else named)
         offsets, total = [], 0
         for name, t in pairs:
@@ -77,7 +97,7 @@ class HostCheckpoint:
         self._keepalive.append(arena)
         for (name, t), off in zip(pairs, offsets):
             n = t.numel() * t.element_size()
-            dst = arena[off:off + n]
+            dst = arena[off : off + n]
             dst.copy_(as_bytes(t.detach().to("cpu").contiguous()))
             self._add(name, t.dtype, list(t.shape), off, dst, "named_tensors")
             if self.shared_arena:
@@ -135,14 +155,20 @@ class HostCheckpoint:
                 begin, end = info["data_offsets"]
                 shape = [int(s) for s in info["shape"]]
             except (KeyError, TypeError, ValueError) as e:
-                raise BadCheckpoint(f"{path}: tensor {name!r} has a bad header entry {info!r} ({e})") from None
+                raise BadCheckpoint(
+                    f"{path}: tensor {name!r} has a bad header entry {info!r} ({e})"
+                ) from None
             lo, hi = data_start + begin, data_start + end
             if not 0 <= begin <= end:
-                raise BadCheckpoint(f"{path}: tensor {name!r} has data_offsets {[begin, end]} (need 0 <= begin <= end)")
+                raise BadCheckpoint(
+                    f"{path}: tensor {name!r} has data_offsets {[begin, end]} (need 0 <= begin <= end)"
+                )
             if hi > size:
                 raise BadCheckpoint(f"{path}: tensor {name!r} ends at byte {hi}, past the file end {size}")
             want = nbytes_of(dt, shape)
             if end - begin != want:
-                raise BadCheckpoint(f"{path}: tensor {name!r} spans {end - begin} bytes, but {info['dtype']} "
-                                    f"{shape} needs {want}")
+                raise BadCheckpoint(
+                    f"{path}: tensor {name!r} spans {end - begin} bytes, but {info['dtype']} "
+                    f"{shape} needs {want}"
+                )
             self._add(name, dt, shape, lo, whole[lo:hi], path)

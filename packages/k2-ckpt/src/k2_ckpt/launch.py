@@ -35,11 +35,13 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out: mp.
         finally:
             dist.destroy_process_group()
         out.put((rank, True, result))
-    except BaseException:  # noqa: BLE001 - reported to the parent
+    except BaseException:
         out.put((rank, False, traceback.format_exc()))
 
 
-def run_world(world_size: int, fn: Callable[..., Any], args: tuple = (), timeout_s: float = 120.0) -> list[Any]:
+def run_world(
+    world_size: int, fn: Callable[..., Any], args: tuple = (), timeout_s: float = 120.0
+) -> list[Any]:
     """Call `fn(rank, world_size, *args)` in `world_size` gloo processes; return results by rank.
 
     `fn` must be importable (a module-level function). Raises RuntimeError with the failing
@@ -48,8 +50,10 @@ def run_world(world_size: int, fn: Callable[..., Any], args: tuple = (), timeout
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, out), daemon=False)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, out), daemon=False)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, tuple[bool, Any]] = {}
@@ -58,15 +62,19 @@ def run_world(world_size: int, fn: Callable[..., Any], args: tuple = (), timeout
         while len(results) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish "
-                                   f"within {timeout_s:.0f}s")
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world_size)) - set(results))} did not finish "
+                    f"within {timeout_s:.0f}s"
+                )
             try:
                 rank, ok, value = out.get(timeout=min(left, 1.0))
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
                 if dead:
-                    raise RuntimeError(f"rank(s) {dead} exited with codes "
-                                       f"{[procs[r].exitcode for r in dead]} before reporting") from None
+                    raise RuntimeError(
+                        f"rank(s) {dead} exited with codes "
+                        f"{[procs[r].exitcode for r in dead]} before reporting"
+                    ) from None
                 continue
             results[rank] = (ok, value)
             if not ok:

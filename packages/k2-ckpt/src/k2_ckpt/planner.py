@@ -50,8 +50,17 @@ def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
             if room <= 0:
                 close()
                 continue
-            items.append(BucketItem(name=m.name, dtype=m.dtype, shape=m.shape, tensor_nbytes=m.nbytes,
-                                    chunk_start=start, nbytes=chunk, buf_offset=off))
+            items.append(
+                BucketItem(
+                    name=m.name,
+                    dtype=m.dtype,
+                    shape=m.shape,
+                    tensor_nbytes=m.nbytes,
+                    chunk_start=start,
+                    nbytes=chunk,
+                    buf_offset=off,
+                )
+            )
             used = off + chunk
             start += chunk
             if start >= m.nbytes:

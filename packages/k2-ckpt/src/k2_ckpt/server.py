@@ -136,7 +136,7 @@ class _ReqThread(threading.Thread):
     def run(self) -> None:
         try:
             self.req_func(self.mapping)
-        except BaseException:  # noqa: BLE001 - reported to every rank
+        except BaseException:
             self.error = traceback.format_exc()
 
 
@@ -148,8 +148,9 @@ class _ReceiverLink:
     another rank goes on to the first failure vote instead of waiting for it; anything that
     waits for a reply delivers the outbox first."""
 
-    def __init__(self, ctx: zmq.Context, address: str, rank: int, timeout_s: float,
-                 alive: Callable[[], None]):
+    def __init__(
+        self, ctx: zmq.Context, address: str, rank: int, timeout_s: float, alive: Callable[[], None]
+    ):
         self.address, self.rank, self.timeout_s, self.alive = address, rank, timeout_s, alive
         self.sock = ctx.socket(zmq.PAIR)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -172,7 +173,7 @@ class _ReceiverLink:
         self.sock.close(linger=0)
         if self.address.startswith("ipc://"):
             try:
-                os.unlink(self.address[len("ipc://"):])
+                os.unlink(self.address[len("ipc://") :])
             except OSError:
                 pass
 
@@ -188,8 +189,11 @@ class _ReceiverLink:
                 self.connected = True
             elif event == zmq.EVENT_DISCONNECTED:
                 last = "none" if self.last_acked is None else str(self.last_acked)
-                raise self._fail("worker_died", f"the receiver disconnected from {self.address} "
-                                 f"(process died or closed its socket); last bucket it acked: {last}")
+                raise self._fail(
+                    "worker_died",
+                    f"the receiver disconnected from {self.address} "
+                    f"(process died or closed its socket); last bucket it acked: {last}",
+                )
 
     def _wait(self, flag: int, what: str, timeout_s: float | None = None) -> None:
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
@@ -205,8 +209,11 @@ class _ReceiverLink:
             self.alive()
             if time.monotonic() > deadline:
                 state = "connected" if self.connected else "never connected"
-                raise self._fail("timeout", f"receiver ({state}) did not {what} within "
-                                 f"{self.timeout_s if timeout_s is None else timeout_s:.1f}s")
+                raise self._fail(
+                    "timeout",
+                    f"receiver ({state}) did not {what} within "
+                    f"{self.timeout_s if timeout_s is None else timeout_s:.1f}s",
+                )
 
     def post(self, msg) -> None:
         """Queue `msg` and send what the socket takes now, without waiting."""
@@ -238,8 +245,11 @@ class _ReceiverLink:
                 self._check_monitor()
                 self.alive()
                 if time.monotonic() > deadline:
-                    raise self._fail("worker_died", f"the receiver at {self.address} stopped accepting "
-                                     f"messages ({op!r} could not be sent within {budget:.1f}s)") from None
+                    raise self._fail(
+                        "worker_died",
+                        f"the receiver at {self.address} stopped accepting "
+                        f"messages ({op!r} could not be sent within {budget:.1f}s)",
+                    ) from None
                 time.sleep(0.01)
 
     def recv(self, what: str, timeout_s: float | None = None):
@@ -263,8 +273,16 @@ class _ReceiverLink:
             self.staged = msg.staged
         if isinstance(msg, ErrorReply):
             self.error_applied = msg.applied
-            raise _Failed(RankFailure(rank=self.rank, kind=msg.kind, message=msg.message,
-                                      bucket=msg.bucket, tensor=msg.tensor, traceback=msg.traceback))
+            raise _Failed(
+                RankFailure(
+                    rank=self.rank,
+                    kind=msg.kind,
+                    message=msg.message,
+                    bucket=msg.bucket,
+                    tensor=msg.tensor,
+                    traceback=msg.traceback,
+                )
+            )
         return msg
 
 
@@ -276,8 +294,13 @@ class ParameterServer:
     other ranks (`gather_metas`, `update`) must be called on all ranks in the same order.
     """
 
-    def __init__(self, *, device: torch.device | str | None = None, config: ServerConfig | None = None,
-                 group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        *,
+        device: torch.device | str | None = None,
+        config: ServerConfig | None = None,
+        group: dist.ProcessGroup | None = None,
+    ):
         if not dist.is_initialized():
             raise RuntimeError("ParameterServer needs torch.distributed initialised (init_process_group)")
         self.rank = dist.get_rank()
@@ -291,7 +314,8 @@ class ParameterServer:
         self._collective_timeout_s: float | None = None
         if group is None:
             self._collective_timeout_s = self.config.collective_timeout_s or max(
-                300.0, _collective_bound_s(self.config, self.config.timeout_s))
+                300.0, _collective_bound_s(self.config, self.config.timeout_s)
+            )
             group = dist.new_group(backend=backend, timeout=timedelta(seconds=self._collective_timeout_s))
         self.group = group
         self.device_id = device_id(self.device, self.rank)
@@ -305,13 +329,17 @@ class ParameterServer:
 
     # ---- registration (local: no collectives) ----
 
-    def register_checkpoint(self, name: str, files: Iterable[str | os.PathLike] | None = None,
-                            named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None
-                            ) -> list[TensorMeta]:
+    def register_checkpoint(
+        self,
+        name: str,
+        files: Iterable[str | os.PathLike] | None = None,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None,
+    ) -> list[TensorMeta]:
         """Hold this rank's shard of checkpoint `name`: safetensors `files` and/or `named_tensors`."""
         if name in self._ckpts:
-            raise CheckpointExists(f"checkpoint {name!r} is already registered on rank {self.rank}; "
-                                   "unregister it first")
+            raise CheckpointExists(
+                f"checkpoint {name!r} is already registered on rank {self.rank}; unregister it first"
+            )
         if files is None and named_tensors is None:
             raise ValueError("register_checkpoint needs files=... or named_tensors=...")
         ckpt = HostCheckpoint(name, self.rank, shared_arena=self.device.type == "cpu")
@@ -360,8 +388,10 @@ class ParameterServer:
         seen: dict[str, int] = {}
         for m in metas:
             if m.name in seen:
-                raise BadCheckpoint(f"tensor {m.name!r} of checkpoint {name!r} is registered on both "
-                                    f"rank {seen[m.name]} and rank {m.owner}")
+                raise BadCheckpoint(
+                    f"tensor {m.name!r} of checkpoint {name!r} is registered on both "
+                    f"rank {seen[m.name]} and rank {m.owner}"
+                )
             seen[m.name] = m.owner
         return metas
 
@@ -379,7 +409,9 @@ class ParameterServer:
         # rounded to MiB so that small changes in free memory keep the same plan (and its cache)
         local = min(cfg.max_bucket_bytes, int(free * cfg.memory_fraction) // cfg.num_slots >> 20 << 20)
         local = max(local, ALIGN)
-        mine = torch.tensor([ckpt.uid if ckpt is not None else 0, local], dtype=torch.int64, device=self.device)
+        mine = torch.tensor(
+            [ckpt.uid if ckpt is not None else 0, local], dtype=torch.int64, device=self.device
+        )
         parts = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(parts, mine, group=self.group)
         uids = tuple(int(p[0]) for p in parts)
@@ -401,8 +433,15 @@ class ParameterServer:
 
     # ---- update ----
 
-    def update(self, name: str, req_func: ReqFunc, ranks: list[int] | None = None, *,
-               timeout_s: float | None = None, req_on_all_ranks: bool = False) -> UpdateStats:
+    def update(
+        self,
+        name: str,
+        req_func: ReqFunc,
+        ranks: list[int] | None = None,
+        *,
+        timeout_s: float | None = None,
+        req_on_all_ranks: bool = False,
+    ) -> UpdateStats:
         """Push checkpoint `name` to the receivers of `ranks` (None: every rank) by broadcast.
 
         `req_func(mapping)` is called once (on rank 0, in a thread) with {device_id: zmq address}
@@ -413,10 +452,15 @@ class ParameterServer:
         """
         cfg = self.config
         timeout = cfg.timeout_s if timeout_s is None else timeout_s
-        if self._collective_timeout_s is not None and _collective_bound_s(cfg, timeout) > self._collective_timeout_s:
-            raise ValueError(f"timeout_s={timeout:g}: ranks may then wait up to {_collective_bound_s(cfg, timeout):.0f}s "
-                             f"in one collective, more than the server group's {self._collective_timeout_s:.0f}s "
-                             "(ServerConfig.collective_timeout_s)")
+        if (
+            self._collective_timeout_s is not None
+            and _collective_bound_s(cfg, timeout) > self._collective_timeout_s
+        ):
+            raise ValueError(
+                f"timeout_s={timeout:g}: ranks may then wait up to {_collective_bound_s(cfg, timeout):.0f}s "
+                f"in one collective, more than the server group's {self._collective_timeout_s:.0f}s "
+                "(ServerConfig.collective_timeout_s)"
+            )
         receivers = set(range(self.world_size)) if ranks is None else set(ranks)
         bad = sorted(r for r in receivers if not 0 <= r < self.world_size)
         if bad:
@@ -446,13 +490,20 @@ class ParameterServer:
                 offsets = [(k % cfg.num_slots) * bucket_bytes for k in range(len(plan))]
                 buf = self._slot_buffer(bucket_bytes)
         except (OSError, RuntimeError) as e:
-            failure = RankFailure(rank=self.rank, kind="server_error", traceback=traceback.format_exc(),
-                                  message=f"could not allocate the transfer buffer on {self.device}: {e}")
+            failure = RankFailure(
+                rank=self.rank,
+                kind="server_error",
+                traceback=traceback.format_exc(),
+                message=f"could not allocate the transfer buffer on {self.device}: {e}",
+            )
 
         def alive() -> None:  # rank 0 also watches its req_func thread
             if req is not None and req.error is not None:
-                raise _Failed(RankFailure(rank=self.rank, kind="req_func", message="req_func raised",
-                                          traceback=req.error))
+                raise _Failed(
+                    RankFailure(
+                        rank=self.rank, kind="req_func", message="req_func raised", traceback=req.error
+                    )
+                )
 
         try:
             if receiving:
@@ -465,9 +516,17 @@ class ParameterServer:
                 req.start()
             try:
                 if link is not None and buf is not None:
-                    link.post(BufferMsg(handle=buf.handle(), slot_bytes=bucket_bytes, num_slots=cfg.num_slots,
-                                        checkpoint=name, num_buckets=len(plan),
-                                        sources=[a.handle() for a in ckpt.arenas], zero_copy=zero_copy))
+                    link.post(
+                        BufferMsg(
+                            handle=buf.handle(),
+                            slot_bytes=bucket_bytes,
+                            num_slots=cfg.num_slots,
+                            checkpoint=name,
+                            num_buckets=len(plan),
+                            sources=[a.handle() for a in ckpt.arenas],
+                            zero_copy=zero_copy,
+                        )
+                    )
                     if req is not None:
                         # this rank called req_func: its own receiver's "ready" (or req_func's
                         # error) is known before the first vote, which the other ranks reach
@@ -477,7 +536,9 @@ class ParameterServer:
                 self._mark("connect")
             except _Failed as f:
                 failure = failure or f.failure
-            failure, ok, committed = self._run_buckets(plan, ckpt, buf, offsets, not zero_copy, link, alive, failure)
+            failure, ok, committed = self._run_buckets(
+                plan, ckpt, buf, offsets, not zero_copy, link, alive, failure
+            )
             if zero_copy and committed and link is not None and link.views_buffer:
                 # the receiver may now hold views of this arena (even when another rank's
                 # commit failed): never overwrite it. A receiver that copied (direct mode)
@@ -524,9 +585,17 @@ class ParameterServer:
             self._recv_arenas[use] = arena
         return use
 
-    def _run_buckets(self, plan: list[Bucket], ckpt: HostCheckpoint, buf: SlotBuffer | None, offsets: list[int],
-                     reuse_slots: bool, link: _ReceiverLink | None, alive: Callable[[], None],
-                     failure: RankFailure | None) -> tuple[RankFailure | None, bool, bool | None]:
+    def _run_buckets(
+        self,
+        plan: list[Bucket],
+        ckpt: HostCheckpoint,
+        buf: SlotBuffer | None,
+        offsets: list[int],
+        reuse_slots: bool,
+        link: _ReceiverLink | None,
+        alive: Callable[[], None],
+        failure: RankFailure | None,
+    ) -> tuple[RankFailure | None, bool, bool | None]:
         """Broadcast every bucket into `buf` at `offsets[k]` (reused slots wait for the receiver's
         ack of bucket k - num_slots), then two-phase commit. Returns (failure, ok, committed):
         committed is None when this rank's receiver was not asked to commit, else whether it did."""
@@ -537,8 +606,14 @@ class ParameterServer:
         def on_msg(msg: object) -> None:
             if isinstance(msg, AckReply):
                 if not inflight or inflight[0] != msg.bucket:
-                    raise _Failed(RankFailure(rank=self.rank, kind="server_error", bucket=msg.bucket,
-                                              message=f"ack for bucket {msg.bucket}, expected {list(inflight)[:1]}"))
+                    raise _Failed(
+                        RankFailure(
+                            rank=self.rank,
+                            kind="server_error",
+                            bucket=msg.bucket,
+                            message=f"ack for bucket {msg.bucket}, expected {list(inflight)[:1]}",
+                        )
+                    )
                 inflight.popleft()
                 if link is not None:
                     link.last_acked = msg.bucket
@@ -552,23 +627,25 @@ class ParameterServer:
             bucket = plan[k]
             if failed and reuse_slots:
                 if not scratch:
-                    scratch.append(torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8, device=self.device))
-                slot = scratch[0][:bucket.nbytes]
+                    scratch.append(
+                        torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8, device=self.device)
+                    )
+                slot = scratch[0][: bucket.nbytes]
             else:
-                slot = buf.data[offsets[k]:offsets[k] + bucket.nbytes]
+                slot = buf.data[offsets[k] : offsets[k] + bucket.nbytes]
             if self.rank != bucket.owner:
                 return slot, None
             in_place = ckpt.in_place_source(bucket.items)
             if in_place is not None:
                 arena, base = in_place
-                return ckpt.arenas[arena].data[base:base + bucket.nbytes], in_place
+                return ckpt.arenas[arena].data[base : base + bucket.nbytes], in_place
             timed = self.config.time_h2d and slot.is_cuda
             if timed:  # CUDA events on the copy stream: the pipeline's own H2D rate, no extra sync
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
             for it in bucket.items:
-                src = ckpt.bytes_by_name[it.name][it.chunk_start:it.chunk_start + it.nbytes]
-                slot[it.buf_offset:it.buf_offset + it.nbytes].copy_(src, non_blocking=True)
+                src = ckpt.bytes_by_name[it.name][it.chunk_start : it.chunk_start + it.nbytes]
+                slot[it.buf_offset : it.buf_offset + it.nbytes].copy_(src, non_blocking=True)
             if timed:
                 end.record()
                 self._h2d_events.append((start, end, bucket.nbytes))
@@ -593,14 +670,23 @@ class ParameterServer:
             prepared = None
             work = dist.broadcast(slot, src=bucket.owner, group=self.group, async_op=True)
             if not reuse_slots and k + 1 < len(plan) and plan[k + 1].owner == self.rank:
-                prepared = prepare(k + 1, failure is not None)  # the host copy of bucket k+1 overlaps the broadcast of k
+                prepared = prepare(
+                    k + 1, failure is not None
+                )  # the host copy of bucket k+1 overlaps the broadcast of k
             work.wait()
             if slot.is_cuda:  # the receiver reads it from another process/stream
                 torch.cuda.current_stream(slot.device).synchronize()
             if link is not None and failure is None:
                 try:
-                    link.post(BucketMsg.of(k, offsets[k], bucket.items, source=in_place[0] if in_place else None,
-                                           source_offset=in_place[1] if in_place else 0))
+                    link.post(
+                        BucketMsg.of(
+                            k,
+                            offsets[k],
+                            bucket.items,
+                            source=in_place[0] if in_place else None,
+                            source_offset=in_place[1] if in_place else 0,
+                        )
+                    )
                     inflight.append(k)
                 except _Failed as f:
                     failure = f.failure
@@ -629,8 +715,13 @@ class ParameterServer:
                 link.send(CommitMsg())
                 msg = link.recv("finish the commit")
                 if not isinstance(msg, DoneReply):
-                    raise _Failed(RankFailure(rank=self.rank, kind="server_error",
-                                              message=f"expected 'done' after commit, got {msg.op!r}"))
+                    raise _Failed(
+                        RankFailure(
+                            rank=self.rank,
+                            kind="server_error",
+                            message=f"expected 'done' after commit, got {msg.op!r}",
+                        )
+                    )
                 committed = True
                 link.views_buffer = msg.views_buffer
             except _Failed as f:
@@ -643,15 +734,28 @@ class ParameterServer:
     def _mark(self, phase: str) -> None:
         self._marks.append((phase, time.perf_counter()))
 
-    def _finish(self, name: str, t0: float, plan: list[Bucket], bucket_bytes: int,
-                metas: list[TensorMeta], req: _ReqThread | None, timeout: float) -> UpdateStats:
+    def _finish(
+        self,
+        name: str,
+        t0: float,
+        plan: list[Bucket],
+        bucket_bytes: int,
+        metas: list[TensorMeta],
+        req: _ReqThread | None,
+        timeout: float,
+    ) -> UpdateStats:
         if req is not None:
             req.join(timeout)
             if req.error is not None:
                 log.warning("req_func raised after a successful update of %r:\n%s", name, req.error)
-        stats = UpdateStats(checkpoint=name, seconds=time.perf_counter() - t0,
-                            nbytes=sum(m.nbytes for m in metas), num_buckets=len(plan), bucket_bytes=bucket_bytes,
-                            phases={b[0]: b[1] - a[1] for a, b in zip(self._marks, self._marks[1:])})
+        stats = UpdateStats(
+            checkpoint=name,
+            seconds=time.perf_counter() - t0,
+            nbytes=sum(m.nbytes for m in metas),
+            num_buckets=len(plan),
+            bucket_bytes=bucket_bytes,
+            phases={b[0]: b[1] - a[1] for a, b in zip(self._marks, self._marks[1:])},
+        )
         if self._h2d_events:  # every event has completed: the stream was synchronised per bucket
             stats.h2d_s = sum(a.elapsed_time(b) for a, b, _ in self._h2d_events) / 1e3
             stats.h2d_bytes = sum(n for _, _, n in self._h2d_events)
@@ -659,8 +763,9 @@ class ParameterServer:
         self.last_stats = stats
         return stats
 
-    def _abort_and_raise(self, name: str, link: _ReceiverLink | None, failure: RankFailure | None,
-                         abort_timeout_s: float) -> None:
+    def _abort_and_raise(
+        self, name: str, link: _ReceiverLink | None, failure: RankFailure | None, abort_timeout_s: float
+    ) -> None:
         # what this rank's receiver applied: nothing when staged; when direct, what its error reply
         # said, or unknown (None) until it answers the abort; unknown for a commit that failed
         applied: list[str] | None = [] if link is None or link.staged else link.error_applied
@@ -669,7 +774,10 @@ class ParameterServer:
         if link is not None:
             link.outbox.clear()  # messages not yet delivered are moot: the abort goes next
         # a dead or hung receiver cannot acknowledge: tell it (best effort) but do not wait
-        unresponsive = failure is not None and failure.kind.removeprefix("commit_") in ("worker_died", "timeout")
+        unresponsive = failure is not None and failure.kind.removeprefix("commit_") in (
+            "worker_died",
+            "timeout",
+        )
         if unresponsive and link is not None:
             try:
                 link.send(AbortMsg(reason=failure.message), timeout_s=0.05)
@@ -682,7 +790,9 @@ class ParameterServer:
                 deadline = time.monotonic() + abort_timeout_s
                 while time.monotonic() < deadline:
                     try:
-                        msg = link.recv("acknowledge the abort", timeout_s=max(0.0, deadline - time.monotonic()))
+                        msg = link.recv(
+                            "acknowledge the abort", timeout_s=max(0.0, deadline - time.monotonic())
+                        )
                     except _Failed as f:
                         if f.failure.kind in ("timeout", "worker_died"):
                             break

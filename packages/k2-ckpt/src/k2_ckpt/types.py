@@ -80,22 +80,46 @@ class BucketMsg(BaseModel):
     @model_validator(mode="after")
     def _columns_align(self) -> BucketMsg:
         n = len(self.names)
-        if any(len(c) != n for c in (self.dtypes, self.shapes, self.tensor_nbytes, self.chunk_starts,
-                                      self.nbytes, self.buf_offsets)):
+        if any(
+            len(c) != n
+            for c in (
+                self.dtypes,
+                self.shapes,
+                self.tensor_nbytes,
+                self.chunk_starts,
+                self.nbytes,
+                self.buf_offsets,
+            )
+        ):
             raise ValueError(f"bucket {self.bucket}: item columns of different lengths")
         return self
 
     @classmethod
     def of(cls, bucket: int, offset: int, items: list[BucketItem], **kw) -> BucketMsg:
-        return cls(bucket=bucket, offset=offset, names=[it.name for it in items], dtypes=[it.dtype for it in items],
-                   shapes=[it.shape for it in items], tensor_nbytes=[it.tensor_nbytes for it in items],
-                   chunk_starts=[it.chunk_start for it in items], nbytes=[it.nbytes for it in items],
-                   buf_offsets=[it.buf_offset for it in items], **kw)
+        return cls(
+            bucket=bucket,
+            offset=offset,
+            names=[it.name for it in items],
+            dtypes=[it.dtype for it in items],
+            shapes=[it.shape for it in items],
+            tensor_nbytes=[it.tensor_nbytes for it in items],
+            chunk_starts=[it.chunk_start for it in items],
+            nbytes=[it.nbytes for it in items],
+            buf_offsets=[it.buf_offset for it in items],
+            **kw,
+        )
 
     def columns(self):
         """(name, dtype, shape, tensor_nbytes, chunk_start, nbytes, buf_offset) per item."""
-        return zip(self.names, self.dtypes, self.shapes, self.tensor_nbytes, self.chunk_starts, self.nbytes,
-                   self.buf_offsets)
+        return zip(
+            self.names,
+            self.dtypes,
+            self.shapes,
+            self.tensor_nbytes,
+            self.chunk_starts,
+            self.nbytes,
+            self.buf_offsets,
+        )
 
 
 class CommitMsg(BaseModel):

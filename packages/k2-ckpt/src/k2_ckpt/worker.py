@@ -61,9 +61,12 @@ class WeightLoader(Protocol):
 class FunctionLoader:
     """Wrap a plain `load_fn(named_tensors)` (e.g. an engine's `model.load_weights`)."""
 
-    def __init__(self, load_fn: Callable[[NamedTensors], object],
-                 validate: Callable[[str, torch.dtype, tuple[int, ...]], None] | None = None,
-                 post_hook: Callable[[], object] | None = None):
+    def __init__(
+        self,
+        load_fn: Callable[[NamedTensors], object],
+        validate: Callable[[str, torch.dtype, tuple[int, ...]], None] | None = None,
+        post_hook: Callable[[], object] | None = None,
+    ):
         self._load, self._validate, self._post = load_fn, validate, post_hook
 
     def validate(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
@@ -86,10 +89,16 @@ class ReceiveResult:
     seconds: float
 
 
-def update_weights_from_ipc(address: str, loader: WeightLoader | Callable[[NamedTensors], object], *,
-                            device: torch.device | str | None = None, device_id: str = "",
-                            staged: bool = True, timeout_s: float = 300.0,
-                            zmq_ctx: zmq.Context | None = None) -> ReceiveResult:
+def update_weights_from_ipc(
+    address: str,
+    loader: WeightLoader | Callable[[NamedTensors], object],
+    *,
+    device: torch.device | str | None = None,
+    device_id: str = "",
+    staged: bool = True,
+    timeout_s: float = 300.0,
+    zmq_ctx: zmq.Context | None = None,
+) -> ReceiveResult:
     """Receive one update from the parameter server at `address` and load it into `loader`.
 
     Returns when the update is committed; raises `UpdateAborted` (after dropping any staged
@@ -105,8 +114,15 @@ def update_weights_from_ipc(address: str, loader: WeightLoader | Callable[[Named
     gc.disable()  # an update makes ~10^5 short-lived objects: a cyclic GC pass mid-update stalls the acks
     try:
         sock.connect(address)
-        return _Receiver(sock, monitor, loader, torch.device(device) if device is not None else None,
-                         device_id, staged, timeout_s).run()
+        return _Receiver(
+            sock,
+            monitor,
+            loader,
+            torch.device(device) if device is not None else None,
+            device_id,
+            staged,
+            timeout_s,
+        ).run()
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -119,8 +135,16 @@ def update_weights_from_ipc(address: str, loader: WeightLoader | Callable[[Named
 
 
 class _Receiver:
-    def __init__(self, sock: zmq.Socket, monitor: zmq.Socket, loader: WeightLoader, device: torch.device | None,
-                 device_id: str, staged: bool, timeout_s: float):
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        monitor: zmq.Socket,
+        loader: WeightLoader,
+        device: torch.device | None,
+        device_id: str,
+        staged: bool,
+        timeout_s: float,
+    ):
         self.sock, self.monitor, self.loader, self.device = sock, monitor, loader, device
         self.device_id, self.staged, self.timeout_s = device_id, staged, timeout_s
         self.buf: torch.Tensor | None = None
@@ -135,7 +159,9 @@ class _Receiver:
         self.sources: list[torch.Tensor] = []
         self.zero_copy = False
         self.pool: dict[str, torch.Tensor] | None = getattr(loader, "staging_pool", None)
-        self.typed: dict[tuple[int, torch.dtype], torch.Tensor | None] = {}  # (id(buffer), dtype) -> typed view
+        self.typed: dict[
+            tuple[int, torch.dtype], torch.Tensor | None
+        ] = {}  # (id(buffer), dtype) -> typed view
 
     def send(self, msg) -> None:
         # a PAIR socket blocks on send while its peer is gone: wait for it like for a message
@@ -162,14 +188,17 @@ class _Receiver:
 
                 if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
                     self._abandon()
-                    raise UpdateAborted(f"update of {self.checkpoint!r}: the parameter server closed the "
-                                        "connection (it gave up on this update or its process died); "
-                                        + self._left_behind())
+                    raise UpdateAborted(
+                        f"update of {self.checkpoint!r}: the parameter server closed the "
+                        "connection (it gave up on this update or its process died); " + self._left_behind()
+                    )
                 continue
             if time.monotonic() >= deadline:
                 self._abandon()
-                raise TimeoutError(f"the parameter server did not {what} for {self.timeout_s:.1f}s; update "
-                                   "abandoned, " + self._left_behind())
+                raise TimeoutError(
+                    f"the parameter server did not {what} for {self.timeout_s:.1f}s; update "
+                    "abandoned, " + self._left_behind()
+                )
 
     def _left_behind(self) -> str:
         if self.commit_started:
@@ -206,7 +235,9 @@ class _Receiver:
             elif isinstance(msg, CommitMsg):
                 if self.on_commit():
                     n = len(self.applied)
-                    self.send(DoneReply(applied=n, seconds=time.perf_counter() - t0, views_buffer=self.zero_copy))
+                    self.send(
+                        DoneReply(applied=n, seconds=time.perf_counter() - t0, views_buffer=self.zero_copy)
+                    )
                     return ReceiveResult(self.checkpoint, n, self.buckets, time.perf_counter() - t0)
             elif isinstance(msg, AbortMsg):
                 self._abandon()
@@ -216,8 +247,16 @@ class _Receiver:
     def _error(self, e: BaseException, bucket: int | None, tensor: str | None) -> None:
         self.failed = True
         kind = "mismatch" if isinstance(e, TensorMismatch) else "worker_error"
-        self.send(ErrorReply(kind=kind, message=f"{type(e).__name__}: {e}", bucket=bucket, tensor=tensor,
-                             traceback=traceback.format_exc(), applied=self._applied_report()))
+        self.send(
+            ErrorReply(
+                kind=kind,
+                message=f"{type(e).__name__}: {e}",
+                bucket=bucket,
+                tensor=tensor,
+                traceback=traceback.format_exc(),
+                applied=self._applied_report(),
+            )
+        )
 
     def _stage_buffer(self, name: str, nbytes: int, device: torch.device) -> torch.Tensor:
         """A private byte buffer for `name`, reused across updates when the loader keeps a pool
@@ -232,8 +271,9 @@ class _Receiver:
                 pool[name] = buf
         return buf
 
-    def _view(self, buf: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype,
-              shape: list[int]) -> torch.Tensor:
+    def _view(
+        self, buf: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]
+    ) -> torch.Tensor:
         """`shape`-shaped `dtype` view of buf[offset:offset + nbytes], made in one call
         (as_strided on a typed view of the whole buffer): a K2 update carries ~10^5 tensors,
         and slicing + viewing + reshaping costs ~3x more per tensor."""
@@ -247,7 +287,7 @@ class _Receiver:
             self.typed[key] = typed
         esize = typed.element_size() if typed is not None else 1
         if typed is None or offset % esize:
-            return from_bytes(buf[offset:offset + nbytes], dtype, shape)
+            return from_bytes(buf[offset : offset + nbytes], dtype, shape)
         strides, step = [], 1
         for d in reversed(shape):
             strides.append(step)
@@ -270,18 +310,18 @@ class _Receiver:
                 if self.zero_copy and nbytes == tensor_nbytes:  # whole, where it landed
                     ready.append((name, self._view(buf, base + buf_offset, nbytes, dtype, shape)))
                     continue
-                src = buf[base + buf_offset:base + buf_offset + nbytes]
+                src = buf[base + buf_offset : base + buf_offset + nbytes]
                 if self.zero_copy:  # the bytes stay where they landed until the next update
                     if chunk_start == 0:
-                        whole = buf[base + buf_offset:base + buf_offset + tensor_nbytes]
+                        whole = buf[base + buf_offset : base + buf_offset + tensor_nbytes]
                         self.partial[name] = [whole, 0]
                     part = self.partial[name]
                     if src.data_ptr() != part[0].data_ptr() + chunk_start:
                         # chunks from different buffers (the owner's arena, then the receive
                         # arena): fall back to assembling a private copy
                         own = self._stage_buffer(name, tensor_nbytes, src.device)
-                        own[:part[1]].copy_(part[0][:part[1]])
-                        own[chunk_start:chunk_start + nbytes].copy_(src)
+                        own[: part[1]].copy_(part[0][: part[1]])
+                        own[chunk_start : chunk_start + nbytes].copy_(src)
                         part[0] = own
                     part[1] += nbytes
                     if part[1] == tensor_nbytes:
@@ -289,13 +329,15 @@ class _Receiver:
                     continue
                 if chunk_start == 0 and nbytes == tensor_nbytes:
                     # staged: a private copy; direct: a view, copied out by load_weights below
-                    data = self._stage_buffer(name, tensor_nbytes, src.device).copy_(src) if self.staged else src
+                    data = (
+                        self._stage_buffer(name, tensor_nbytes, src.device).copy_(src) if self.staged else src
+                    )
                     ready.append((name, from_bytes(data, dtype, shape)))
                     continue
                 if name not in self.partial:
                     self.partial[name] = [self._stage_buffer(name, tensor_nbytes, src.device), 0]
                 part = self.partial[name]
-                part[0][chunk_start:chunk_start + nbytes].copy_(src)
+                part[0][chunk_start : chunk_start + nbytes].copy_(src)
                 part[1] += nbytes
                 if part[1] == tensor_nbytes:
                     ready.append((name, from_bytes(self.partial.pop(name)[0], dtype, shape)))

@@ -1,17 +1,17 @@
 """k2-data: Arrow-based data for K2 — tokenizers, tokenized shards, packing and a stateful loader.
 
-    from k2_data import load_tokenizer, tokenize_corpus, PackedDataset, StatefulLoader
+from k2_data import load_tokenizer, tokenize_corpus, PackedDataset, StatefulLoader
 """
 
 __version__ = "0.1.0"
 
-from k2_data.chat import ToolCallStreamParser, parse_tool_calls, render_chat, render_ids  # noqa: E402
-from k2_data.corpus import default_corpus_files  # noqa: E402
-from k2_data.ingest import BadRecordError, TokenizeConfig, ensure_tokenized, load_manifest, tokenize_corpus  # noqa: E402
-from k2_data.packing import IGNORE_INDEX, PackedDataset  # noqa: E402
-from k2_data.sft import ChatTokenizeConfig, tokenize_chat  # noqa: E402
-from k2_data.special_tokens import NUM_RESERVED_SPECIAL_TOKENS, special_token_table  # noqa: E402
-from k2_data.tokenizer import BPETokenizer, KimiTokenizer, Tokenizer, load_tokenizer  # noqa: E402
+from k2_data.chat import ToolCallStreamParser, parse_tool_calls, render_chat, render_ids
+from k2_data.corpus import default_corpus_files
+from k2_data.ingest import BadRecordError, TokenizeConfig, ensure_tokenized, load_manifest, tokenize_corpus
+from k2_data.packing import IGNORE_INDEX, PackedDataset
+from k2_data.sft import ChatTokenizeConfig, tokenize_chat
+from k2_data.special_tokens import NUM_RESERVED_SPECIAL_TOKENS, special_token_table
+from k2_data.tokenizer import BPETokenizer, KimiTokenizer, Tokenizer, load_tokenizer
 
 
 def __getattr__(name: str):

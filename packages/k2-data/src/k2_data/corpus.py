@@ -14,7 +14,9 @@ from pathlib import Path
 # intentionally broken source) and third-party packages.
 _SKIPPED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
 
-TEXT_SUFFIXES = frozenset({".txt", ".py", ".md", ".rst", ".c", ".h", ".cpp", ".json", ".toml", ".yaml", ".yml"})
+TEXT_SUFFIXES = frozenset(
+    {".txt", ".py", ".md", ".rst", ".c", ".h", ".cpp", ".json", ".toml", ".yaml", ".yml"}
+)
 JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
 PARQUET_SUFFIXES = frozenset({".parquet"})
 ARROW_SUFFIXES = frozenset({".arrow", ".feather", ".ipc"})
@@ -56,7 +58,11 @@ def expand_inputs(inputs: Iterable[str | Path]) -> list[Path]:
         path = Path(item)
         if path.is_dir():
             found = sorted(
-                (p for p in path.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)),
+                (
+                    p
+                    for p in path.rglob("*")
+                    if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
+                ),
                 key=lambda p: p.relative_to(path).as_posix(),
             )
             if not found:

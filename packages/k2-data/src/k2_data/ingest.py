@@ -157,8 +157,15 @@ def _table_units(path: Path, kind: str, shard_bytes: int) -> list[Unit]:
     size = path.stat().st_size
     rows_per_unit = max(1, int(rows * shard_bytes / max(size, 1)))
     return [
-        Unit(str(path), kind, r, min(r + rows_per_unit, rows), 0, min(r + rows_per_unit, rows) - r,
-             size * (min(r + rows_per_unit, rows) - r) // max(rows, 1))
+        Unit(
+            str(path),
+            kind,
+            r,
+            min(r + rows_per_unit, rows),
+            0,
+            min(r + rows_per_unit, rows) - r,
+            size * (min(r + rows_per_unit, rows) - r) // max(rows, 1),
+        )
         for r in range(0, rows, rows_per_unit)
     ]
 
@@ -191,6 +198,7 @@ def plan_shards(files: list[Path], shard_bytes: int) -> list[ShardTask]:
 
 
 # ----------------------------------------------------------------------------- reading records
+
 
 def _read_table(path: str, kind: str, fields: list[str], required: dict[str, str]) -> pa.Table:
     """The named columns of a Parquet/Arrow file; a missing required column is an error naming the file
@@ -273,7 +281,9 @@ def _read_unit(unit: Unit, text_field: str) -> Iterator[tuple[str, str | BadReco
             line = data.count(b"\n", 0, e.start) + 1
             yield path, BadRecordError(path, f"{line}", f"not valid UTF-8 (byte {e.start})")
         return
-    for source, where, rec in read_records(unit, [text_field], {text_field: "--text-field"}, _check_string_column):
+    for source, where, rec in read_records(
+        unit, [text_field], {text_field: "--text-field"}, _check_string_column
+    ):
         if isinstance(rec, BadRecordError):
             yield source, rec
         elif not isinstance(rec, dict) or text_field not in rec:
@@ -306,7 +316,9 @@ def _build_table(
     lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
     total = int(lengths.sum())
     if total >= 2**31:
-        raise ValueError(f"a shard holds {total} tokens, more than list<int32> offsets allow; lower shard_bytes")
+        raise ValueError(
+            f"a shard holds {total} tokens, more than list<int32> offsets allow; lower shard_bytes"
+        )
     offsets = np.zeros(len(ids) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
     values = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=total)
@@ -428,8 +440,14 @@ def tokenize_shard(task: ShardTask, tokenizer_path: str, out_dir: str, config: T
     table = _build_table(ids, doc_ids, sources)
     tokens = int(sum(len(x) for x in ids))
     name = _shard_name(task.index, config.format)
-    meta = {"index": task.index, "file": name, "rows": table.num_rows, "tokens": tokens,
-            "first_doc_id": task.first_doc_id, "skipped": skipped}
+    meta = {
+        "index": task.index,
+        "file": name,
+        "rows": table.num_rows,
+        "tokens": tokens,
+        "first_doc_id": task.first_doc_id,
+        "skipped": skipped,
+    }
     _write_shard(table, Path(out_dir) / name, config.format, meta)
     return meta
 
@@ -521,7 +539,9 @@ def _run_shards(
             if progress:
                 progress(done, total, meta)
     else:
-        ctx = multiprocessing.get_context(os.environ.get("K2_DATA_MP_START", "fork" if os.name == "posix" else "spawn"))
+        ctx = multiprocessing.get_context(
+            os.environ.get("K2_DATA_MP_START", "fork" if os.name == "posix" else "spawn")
+        )
         with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as pool:
             futures = [pool.submit(work, task) for task in todo]
             try:
@@ -538,8 +558,9 @@ def _run_shards(
     return [results[t.index] for t in run.tasks], time.perf_counter() - t0
 
 
-def _manifest(run: _Run, fmt: str, schema: pa.Schema, inputs: list[str], shards: list[dict], seconds: float,
-              **extra) -> dict:
+def _manifest(
+    run: _Run, fmt: str, schema: pa.Schema, inputs: list[str], shards: list[dict], seconds: float, **extra
+) -> dict:
     """The manifest fields every kind of dataset shares, plus `extra`; written atomically."""
     skipped = [rec for s in shards for rec in s.get("skipped", [])]
     manifest = {
@@ -578,19 +599,24 @@ def tokenize_corpus(
     config = config or TokenizeConfig()
     config.validate()
     files = default_corpus_files() if inputs is None else expand_inputs(inputs)
-    run = _prepare_run(files, out_dir, tokenizer, config.shard_bytes,
-                       [config.text_field, config.format, config.shard_bytes])
+    run = _prepare_run(
+        files, out_dir, tokenizer, config.shard_bytes, [config.text_field, config.format, config.shard_bytes]
+    )
     work = functools.partial(tokenize_shard, tokenizer_path=run.tok_path, out_dir=str(run.out), config=config)
     shards, elapsed = _run_shards(run, config.format, config.workers, work, progress)
     fast = config.engine == "auto" and getattr(run.tok, "has_fast_engine", False)
     return _manifest(
-        run, config.format, SHARD_SCHEMA,
+        run,
+        config.format,
+        SHARD_SCHEMA,
         [str(p) for p in inputs] if inputs is not None else ["<default corpus: python stdlib>"],
-        shards, elapsed,
+        shards,
+        elapsed,
         kind="text",
         text_field=config.text_field,
         encoder=f"tiktoken engine, every {config.check_every}th document checked against HF tokenizers"
-        if fast else run.tok.kind,
+        if fast
+        else run.tok.kind,
     )
 
 
@@ -614,7 +640,9 @@ def load_manifest(directory: str | Path) -> dict:
         raise FileNotFoundError(f"{path} not found: not a tokenized dataset (run `k2 data tokenize` first)")
     manifest = json.loads(path.read_text())
     if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{path}: schema_version {manifest.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+        raise ValueError(
+            f"{path}: schema_version {manifest.get('schema_version')!r}, expected {SCHEMA_VERSION}"
+        )
     return manifest
 
 
@@ -636,5 +664,12 @@ def ensure_tokenized(
     return Path(cache_dir)
 
 
-__all__ = ["TokenizeConfig", "BadRecordError", "tokenize_corpus", "ensure_tokenized", "load_manifest", "plan_shards",
-           "read_records"]
+__all__ = [
+    "TokenizeConfig",
+    "BadRecordError",
+    "tokenize_corpus",
+    "ensure_tokenized",
+    "load_manifest",
+    "plan_shards",
+    "read_records",
+]

@@ -65,7 +65,9 @@ def _numpy(arr: pa.Array, dtype: np.dtype) -> np.ndarray:
         raise ValueError(f"unexpected nulls in a {arr.type} column")
     if len(arr) == 0:
         return np.zeros(0, dtype)
-    return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * np.dtype(dtype).itemsize)
+    return np.frombuffer(
+        arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * np.dtype(dtype).itemsize
+    )
 
 
 @dataclass
@@ -121,10 +123,20 @@ def load_doc_index(directory: str | Path) -> DocIndex:
     def cat(parts: list[np.ndarray], dtype) -> np.ndarray:
         return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
 
-    index = DocIndex(chunks, cat(chunk_ids, np.int64), cat(starts, np.int64), cat(lengths, np.int64),
-                     cat(doc_ids, np.int64), manifest, tables, masks if chat else None)
+    index = DocIndex(
+        chunks,
+        cat(chunk_ids, np.int64),
+        cat(starts, np.int64),
+        cat(lengths, np.int64),
+        cat(doc_ids, np.int64),
+        manifest,
+        tables,
+        masks if chat else None,
+    )
     if int(index.length_N.sum()) != manifest["num_tokens"]:
-        raise ValueError(f"{directory}: {index.length_N.sum()} tokens in shards, manifest says {manifest['num_tokens']}")
+        raise ValueError(
+            f"{directory}: {index.length_N.sum()} tokens in shards, manifest says {manifest['num_tokens']}"
+        )
     return index
 
 
@@ -207,7 +219,9 @@ class PackedDataset:
         self.pad_id = int(self.eos_id if pad_id is None else pad_id)
         self.has_loss_mask = index.mask_chunks is not None
 
-        in_val_N = (_splitmix64(doc_ids_N) % np.uint64(1_000_000)) < np.uint64(int(round(val_fraction * 1_000_000)))
+        in_val_N = (_splitmix64(doc_ids_N) % np.uint64(1_000_000)) < np.uint64(
+            int(round(val_fraction * 1_000_000))
+        )
         keep_N = {"train": ~in_val_N, "val": in_val_N, "all": np.ones_like(in_val_N)}[split]
         self._index = index
         self._doc_chunk_N = index.chunk_N[keep_N]
@@ -257,8 +271,16 @@ class PackedDataset:
 
     def fingerprint(self) -> str:
         """Identifies the sample sequence: a loader state is only valid for an equal fingerprint."""
-        key = [self.manifest["plan_sha256"], self.seq_len, self.seed, self.split, self.val_fraction,
-               self.document_mask, self.shuffle, self.eos_id]
+        key = [
+            self.manifest["plan_sha256"],
+            self.seq_len,
+            self.seed,
+            self.split,
+            self.val_fraction,
+            self.document_mask,
+            self.shuffle,
+            self.eos_id,
+        ]
         if self.packing != "stream":  # stream keeps the key it had before packing modes existed
             key += [self.packing, self.pad_id]
         return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
@@ -276,7 +298,9 @@ class PackedDataset:
             else:
                 doc_order_N = np.arange(self.num_docs)
             if self.packing == "whole":
-                self._epochs[e] = _Epoch(doc_order_N, bin_starts_K1=next_fit(self._doc_len_N[doc_order_N], self.seq_len))
+                self._epochs[e] = _Epoch(
+                    doc_order_N, bin_starts_K1=next_fit(self._doc_len_N[doc_order_N], self.seq_len)
+                )
                 return self._epochs[e]
             if self.shuffle:
                 window_order = np.random.default_rng([self.seed, e, 1]).permutation(self._len)
@@ -340,7 +364,9 @@ class PackedDataset:
                 s0 = int(self._doc_start_N[d]) + lo
                 tokens[a : a + n_text] = self._index.chunks[int(self._doc_chunk_N[d])][s0 : s0 + n_text]
                 if mask is not None:
-                    mask[a : a + n_text] = self._index.mask_chunks[int(self._doc_chunk_N[d])][s0 : s0 + n_text]
+                    mask[a : a + n_text] = self._index.mask_chunks[int(self._doc_chunk_N[d])][
+                        s0 : s0 + n_text
+                    ]
             if hi == doc_len + 1:
                 tokens[a + n_text] = self.eos_id
             seg_start[a : a + hi - lo] = doc_begin
@@ -373,8 +399,12 @@ class PackedDataset:
             a, seg = a + n, seg + 1
         position_ids[a:] = np.arange(S - a)  # the padding is one more segment
         document_ids[a:] = seg
-        return {"input_ids": input_ids, "shift_labels": labels, "position_ids": position_ids,
-                "document_ids": document_ids}
+        return {
+            "input_ids": input_ids,
+            "shift_labels": labels,
+            "position_ids": position_ids,
+            "document_ids": document_ids,
+        }
 
     def __getitem__(self, g: int) -> dict[str, np.ndarray]:
         if self.packing == "whole":

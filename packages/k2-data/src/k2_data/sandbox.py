@@ -671,7 +671,7 @@ def run_many(
         t0 = time.monotonic()
         try:
             return run_python(code, **kwargs)  # type: ignore[arg-type]
-        except Exception as e:  # noqa: BLE001 - never crash the caller
+        except Exception as e:
             log.error("sandbox run failed: %s", e)
             return SandboxResult(None, "", f"{type(e).__name__}: {e}", False, "error", time.monotonic() - t0)
 

@@ -104,7 +104,9 @@ def conversation_of(
     return messages, tools
 
 
-def tokenize_chat_shard(task: ShardTask, tokenizer_path: str, out_dir: str, config: ChatTokenizeConfig) -> dict:
+def tokenize_chat_shard(
+    task: ShardTask, tokenizer_path: str, out_dir: str, config: ChatTokenizeConfig
+) -> dict:
     """Tokenize one planned shard of chat records and write it; returns its manifest entry."""
     tok = _get_tokenizer(tokenizer_path)
     ids: list[list[int]] = []

@@ -214,7 +214,9 @@ class KimiTokenizer(Tokenizer):
         try:
             ranks = load_tiktoken_bpe(str(model))
         except Exception as e:  # tiktoken raises bare ValueError/binascii errors without the path
-            raise ValueError(f"{model}: not a tiktoken BPE ranks file (base64 token, space, rank per line): {e}") from e
+            raise ValueError(
+                f"{model}: not a tiktoken BPE ranks file (base64 token, space, rank per line): {e}"
+            ) from e
         n = len(ranks)
         if sorted(ranks.values()) != list(range(n)):
             raise ValueError(f"{model}: ranks must be exactly 0..{n - 1}")
@@ -271,7 +273,10 @@ class KimiTokenizer(Tokenizer):
 
 def write_tiktoken_ranks(path: str | Path, ranks: dict[bytes, int]) -> None:
     """Write a `tiktoken.model` file: one `base64(token) rank` line per token, by rank."""
-    lines = [f"{base64.b64encode(tok).decode()} {rank}" for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
+    lines = [
+        f"{base64.b64encode(tok).decode()} {rank}"
+        for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])
+    ]
     _atomic_write_bytes(Path(path), ("\n".join(lines) + "\n").encode())
 
 
@@ -280,7 +285,11 @@ def write_tiktoken_ranks(path: str | Path, ranks: dict[bytes, int]) -> None:
 
 def _byte_level_alphabet() -> dict[str, int]:
     """The printable stand-in character of each byte in byte-level BPE vocabularies -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -324,7 +333,6 @@ def _tiktoken_engine(hf_json: str):
     if sorted(ranks.values()) != list(range(len(ranks))) or any(bytes([b]) not in ranks for b in range(256)):
         return None
     return tiktoken.Encoding(name="k2-bpe", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens={})
-
 
 
 class BPETokenizer(Tokenizer):

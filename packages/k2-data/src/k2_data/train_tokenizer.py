@@ -20,7 +20,9 @@ from k2_data.tokenizer import KIMI_PAT_STR, BPETokenizer, default_tokenizer_path
 DEFAULT_VOCAB_SIZE = 8192
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, min_frequency: int = 2) -> BPETokenizer:
+def train_bpe(
+    texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, min_frequency: int = 2
+) -> BPETokenizer:
     """A byte-level BPE with exactly `vocab_size` ids: `vocab_size - 256` BPE ids, then the specials.
 
     Pre-tokenization is the Kimi split pattern, so both tokenizers cut text the same way.
@@ -29,7 +31,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, min_fr
 
     num_base = vocab_size - NUM_RESERVED_SPECIAL_TOKENS
     if num_base < 257:
-        raise ValueError(f"vocab_size={vocab_size} leaves no room for merges (need > {256 + NUM_RESERVED_SPECIAL_TOKENS})")
+        raise ValueError(
+            f"vocab_size={vocab_size} leaves no room for merges (need > {256 + NUM_RESERVED_SPECIAL_TOKENS})"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -48,7 +52,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, min_fr
     tok.train_from_iterator(texts, trainer=trainer)
     got = tok.get_vocab_size(with_added_tokens=True)
     if got != num_base:
-        raise ValueError(f"the corpus supports only {got} BPE ids, fewer than the {num_base} asked for; use a smaller vocab_size")
+        raise ValueError(
+            f"the corpus supports only {got} BPE ids, fewer than the {num_base} asked for; use a smaller vocab_size"
+        )
     specials = special_token_table(num_base)
     ordered = [name for name, _ in sorted(specials.items(), key=lambda kv: kv[1])]
     tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in ordered])

@@ -16,7 +16,7 @@ from k2_kernels import _lib
 
 
 def _backend(t: Tensor) -> str | None:
-    """"cpu" / "cuda" when a compiled kernel serves the tensor's device, else None (and warn once)."""
+    """ "cpu" / "cuda" when a compiled kernel serves the tensor's device, else None (and warn once)."""
     if t.device.type == "cpu" and _lib.has_cpu():
         return "cpu"
     if t.device.type == "cuda" and _lib.has_cuda():
@@ -91,7 +91,11 @@ def run_route(
 
 
 def run_route_backward(
-    logits_TE: Tensor, topk_idx_TK: Tensor, grad_weight_TK: Tensor, routed_scaling_factor: float, norm_topk_prob: bool
+    logits_TE: Tensor,
+    topk_idx_TK: Tensor,
+    grad_weight_TK: Tensor,
+    routed_scaling_factor: float,
+    norm_topk_prob: bool,
 ) -> Tensor | None:
     """d loss / d logits of the routing weights on fp32 CPU tensors (see `ops.route_weight_backward`)."""
     if (

@@ -40,8 +40,12 @@ def _attach_blas() -> str:
     try:
         import scipy_openblas32
 
-        dll = scipy_openblas32.dll if hasattr(scipy_openblas32, "dll") else ctypes.CDLL(
-            os.path.join(scipy_openblas32.get_lib_dir(), f"lib{scipy_openblas32.get_library()}.so")
+        dll = (
+            scipy_openblas32.dll
+            if hasattr(scipy_openblas32, "dll")
+            else ctypes.CDLL(
+                os.path.join(scipy_openblas32.get_lib_dir(), f"lib{scipy_openblas32.get_library()}.so")
+            )
         )
         dll.scipy_openblas_set_num_threads(ctypes.c_int(1))
         _compiled.blas_set_sgemm(ctypes.cast(dll.scipy_cblas_sgemm, ctypes.c_void_p).value)
@@ -59,6 +63,7 @@ def has_fast_blas() -> bool:
     the compiled CPU kernels automatically only then: on the built-in GEMM they are correct but
     can be slower than torch's own paths."""
     return BLAS.startswith("openblas")
+
 
 # dtype tags shared with csrc/include/k2/common.h (keep in sync).
 DTYPE_TAG: dict[torch.dtype, int] = {
@@ -86,8 +91,10 @@ def has_cpu() -> bool:
 
 
 def has_cuda() -> bool:
-    return _compiled is not None and bool(getattr(_compiled, "with_cuda", False)) and hasattr(
-        _compiled, "moe_route_cuda"
+    return (
+        _compiled is not None
+        and bool(getattr(_compiled, "with_cuda", False))
+        and hasattr(_compiled, "moe_route_cuda")
     )
 
 

@@ -29,11 +29,15 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 def _check(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, cu_seqlens_B1: Tensor) -> None:
     for name, t in (("q", q_THD), ("k", k_THD), ("v", v_THV)):
         if t.dim() != 3:
-            raise ValueError(f"mla_attention: {name} must be 3-D [tokens, heads, head_dim], got {tuple(t.shape)}")
+            raise ValueError(
+                f"mla_attention: {name} must be 3-D [tokens, heads, head_dim], got {tuple(t.shape)}"
+            )
         if not t.dtype.is_floating_point:
             raise TypeError(f"mla_attention: {name} must be floating point, got {t.dtype}")
     if q_THD.shape != k_THD.shape:
-        raise ValueError(f"mla_attention: q {tuple(q_THD.shape)} and k {tuple(k_THD.shape)} must have one shape")
+        raise ValueError(
+            f"mla_attention: q {tuple(q_THD.shape)} and k {tuple(k_THD.shape)} must have one shape"
+        )
     if v_THV.shape[:2] != q_THD.shape[:2]:
         raise ValueError(
             f"mla_attention: v {tuple(v_THV.shape)} must match q {tuple(q_THD.shape)} in tokens and heads"
@@ -42,7 +46,11 @@ def _check(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, cu_seqlens_B1: Tensor) -
         raise TypeError(f"mla_attention: q, k, v dtypes differ: {q_THD.dtype}, {k_THD.dtype}, {v_THV.dtype}")
     if not (q_THD.device == k_THD.device == v_THV.device == cu_seqlens_B1.device):
         raise ValueError("mla_attention: q, k, v and cu_seqlens must be on one device")
-    if cu_seqlens_B1.dim() != 1 or cu_seqlens_B1.numel() < 1 or cu_seqlens_B1.dtype not in (torch.int32, torch.int64):
+    if (
+        cu_seqlens_B1.dim() != 1
+        or cu_seqlens_B1.numel() < 1
+        or cu_seqlens_B1.dtype not in (torch.int32, torch.int64)
+    ):
         raise ValueError(
             f"mla_attention: cu_seqlens must be a 1-D int32/int64 tensor [B + 1], got "
             f"{cu_seqlens_B1.dtype} {tuple(cu_seqlens_B1.shape)}"
@@ -96,8 +104,14 @@ def _keeps_probs(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, max_seqlen: int) -
 
 @torch.library.custom_op("k2::mla_attention", mutates_args=())
 def _mla_attention(
-    q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, cu_seqlens_B1: Tensor, max_seqlen: int, softmax_scale: float,
-    causal: bool, keep_probs: bool,
+    q_THD: Tensor,
+    k_THD: Tensor,
+    v_THV: Tensor,
+    cu_seqlens_B1: Tensor,
+    max_seqlen: int,
+    softmax_scale: float,
+    causal: bool,
+    keep_probs: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, lse, max_logit, probs): probs [H, T, max_seqlen] when keep_probs (CPU kernel only), else
     an empty tensor."""
@@ -149,8 +163,17 @@ def _(q_THD, k_THD, v_THV, cu_seqlens_B1, max_seqlen, softmax_scale, causal, kee
 
 @torch.library.custom_op("k2::mla_attention_backward", mutates_args=())
 def _mla_attention_backward(
-    dout_THV: Tensor, q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, out_THV: Tensor, lse_HT: Tensor,
-    cu_seqlens_B1: Tensor, max_seqlen: int, softmax_scale: float, causal: bool, probs_HTL: Tensor,
+    dout_THV: Tensor,
+    q_THD: Tensor,
+    k_THD: Tensor,
+    v_THV: Tensor,
+    out_THV: Tensor,
+    lse_HT: Tensor,
+    cu_seqlens_B1: Tensor,
+    max_seqlen: int,
+    softmax_scale: float,
+    causal: bool,
+    probs_HTL: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv); probs_HTL: the forward's kept probabilities (CPU kernel), or empty to recompute."""
     T, H, Dk = q_THD.shape
@@ -172,7 +195,9 @@ def _mla_attention_backward(
     if backend == "cpu":
         keep = probs_HTL.numel() > 0
         if keep and tuple(probs_HTL.shape) != (H, T, max_seqlen):
-            raise ValueError(f"mla_attention_backward: probs must be [H, T, max_seqlen], got {tuple(probs_HTL.shape)}")
+            raise ValueError(
+                f"mla_attention_backward: probs must be [H, T, max_seqlen], got {tuple(probs_HTL.shape)}"
+            )
         C.set_num_threads(torch.get_num_threads())
         C.mla_attention_bwd_cpu(*args, probs_HTL.contiguous().data_ptr() if keep else 0, int(max_seqlen))
     else:
@@ -182,7 +207,19 @@ def _mla_attention_backward(
 
 
 @_mla_attention_backward.register_fake
-def _(dout_THV, q_THD, k_THD, v_THV, out_THV, lse_HT, cu_seqlens_B1, max_seqlen, softmax_scale, causal, probs_HTL):
+def _(
+    dout_THV,
+    q_THD,
+    k_THD,
+    v_THV,
+    out_THV,
+    lse_HT,
+    cu_seqlens_B1,
+    max_seqlen,
+    softmax_scale,
+    causal,
+    probs_HTL,
+):
     return torch.empty_like(q_THD), torch.empty_like(k_THD), torch.empty_like(v_THV)
 
 

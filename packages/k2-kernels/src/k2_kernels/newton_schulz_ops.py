@@ -62,7 +62,9 @@ def _triples(flat: Sequence[float]) -> list[Coeffs]:
 
 def _check(X_BMN: Tensor, coeffs: Sequence[float]) -> None:
     if X_BMN.dim() != 3:
-        raise ValueError(f"newton_schulz: X_BMN must be 3-D [matrices, rows, cols], got shape {tuple(X_BMN.shape)}")
+        raise ValueError(
+            f"newton_schulz: X_BMN must be 3-D [matrices, rows, cols], got shape {tuple(X_BMN.shape)}"
+        )
     if not X_BMN.dtype.is_floating_point:
         raise TypeError(f"newton_schulz: X_BMN must be floating point, got {X_BMN.dtype}")
     if len(coeffs) % 3:
@@ -106,8 +108,10 @@ def kernel_serves(device: torch.device | str, dtype: torch.dtype) -> bool:
             and _lib.has_fast_blas()
         )  # fmt: skip
     if device.type == "cuda":
-        return dtype in (torch.float32, torch.bfloat16) and _lib.has_cuda() and hasattr(
-            _lib.compiled(), "newton_schulz_cuda"
+        return (
+            dtype in (torch.float32, torch.bfloat16)
+            and _lib.has_cuda()
+            and hasattr(_lib.compiled(), "newton_schulz_cuda")
         )
     return False
 
@@ -132,7 +136,9 @@ def _run(X_BMN: Tensor, coeffs: list[float]) -> Tensor | None:
         else:
             dev = X_bmn.device.index if X_bmn.device.index is not None else torch.cuda.current_device()
             stream = torch.cuda.current_stream(dev).cuda_stream
-            ws = torch.empty(C.newton_schulz_cuda_workspace_bytes(B, m, n, tag), dtype=torch.uint8, device=X_bmn.device)
+            ws = torch.empty(
+                C.newton_schulz_cuda_workspace_bytes(B, m, n, tag), dtype=torch.uint8, device=X_bmn.device
+            )
             C.newton_schulz_cuda(dev, stream, X_bmn.data_ptr(), tag, B, m, n, m * n, coeffs, ws.data_ptr())
     return X_bmn.mT if transposed else X_bmn
 

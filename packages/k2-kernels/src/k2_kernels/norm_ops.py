@@ -29,7 +29,9 @@ def _serves(x: Tensor, w: Tensor) -> bool:
 
 def _check(x: Tensor, w: Tensor) -> None:
     if x.dim() < 1 or w.dim() != 1 or w.shape[0] != x.shape[-1]:
-        raise ValueError(f"rms_norm: weight must be [D={x.shape[-1] if x.dim() else '?'}], got {tuple(w.shape)}")
+        raise ValueError(
+            f"rms_norm: weight must be [D={x.shape[-1] if x.dim() else '?'}], got {tuple(w.shape)}"
+        )
 
 
 @torch.library.custom_op("k2::rms_norm", mutates_args=())
@@ -48,7 +50,9 @@ def _rms_norm(x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     rstd = torch.empty(x2.shape[0], dtype=torch.float32)
     C = _lib.compiled()
     C.set_num_threads(torch.get_num_threads())
-    C.rms_norm_fwd_cpu(x2.data_ptr(), wc.data_ptr(), x2.shape[0], D, float(eps), y.data_ptr(), rstd.data_ptr())
+    C.rms_norm_fwd_cpu(
+        x2.data_ptr(), wc.data_ptr(), x2.shape[0], D, float(eps), y.data_ptr(), rstd.data_ptr()
+    )
     return y.view(x.shape), rstd
 
 
@@ -84,7 +88,9 @@ def _rms_norm_backward(
 
 @_rms_norm_backward.register_fake
 def _(g, x, w, rstd, eps, need_dx, need_dw):
-    return (torch.empty_like(x) if need_dx else x.new_empty(0)), (torch.empty_like(w) if need_dw else w.new_empty(0))
+    return (torch.empty_like(x) if need_dx else x.new_empty(0)), (
+        torch.empty_like(w) if need_dw else w.new_empty(0)
+    )
 
 
 def _setup_context(ctx, inputs, output):

@@ -38,7 +38,9 @@ __all__ = [
 
 def _check_route(logits_TE: Tensor, bias_E: Tensor | None, top_k: int, n_group: int, topk_group: int) -> None:
     if logits_TE.dim() != 2:
-        raise ValueError(f"moe_route: logits_TE must be 2-D [tokens, experts], got shape {tuple(logits_TE.shape)}")
+        raise ValueError(
+            f"moe_route: logits_TE must be 2-D [tokens, experts], got shape {tuple(logits_TE.shape)}"
+        )
     if not logits_TE.dtype.is_floating_point:
         raise TypeError(f"moe_route: logits_TE must be floating point, got {logits_TE.dtype}")
     E = logits_TE.shape[1]
@@ -72,7 +74,9 @@ def _check_permute(x_TD: Tensor, topk_idx_TK: Tensor, num_experts: int) -> None:
 
 def _check_unpermute(y_ND: Tensor, row_to_slot_N: Tensor, topk_weight_TK: Tensor) -> None:
     if topk_weight_TK.dim() != 2:
-        raise ValueError(f"moe_unpermute: topk_weight_TK must be 2-D, got shape {tuple(topk_weight_TK.shape)}")
+        raise ValueError(
+            f"moe_unpermute: topk_weight_TK must be 2-D, got shape {tuple(topk_weight_TK.shape)}"
+        )
     N = topk_weight_TK.shape[0] * topk_weight_TK.shape[1]
     if y_ND.dim() != 2 or y_ND.shape[0] != N:
         raise ValueError(f"moe_unpermute: y_ND must be [T*K={N}, hidden], got {tuple(y_ND.shape)}")
@@ -106,7 +110,9 @@ def _moe_route(
     norm_topk_prob: bool,
 ) -> tuple[Tensor, Tensor]:
     _check_route(logits_TE, bias_E, top_k, n_group, topk_group)
-    out = _launch.run_route(logits_TE, bias_E, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob)
+    out = _launch.run_route(
+        logits_TE, bias_E, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob
+    )
     if out is None:
         out = reference.moe_route(
             logits_TE, bias_E, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob
@@ -157,13 +163,21 @@ def route_weight_backward(
 
 @torch.library.custom_op("k2::moe_route_backward", mutates_args=())
 def _moe_route_backward(
-    logits_TE: Tensor, topk_idx_TK: Tensor, grad_weight_TK: Tensor, routed_scaling_factor: float, norm_topk_prob: bool
+    logits_TE: Tensor,
+    topk_idx_TK: Tensor,
+    grad_weight_TK: Tensor,
+    routed_scaling_factor: float,
+    norm_topk_prob: bool,
 ) -> Tensor:
     """`route_weight_backward` as an op: one C++ pass on fp32 CPU (the composition above was a dozen
     small ops, ~0.6 ms per MoE layer at 1024 tokens); the composition elsewhere."""
-    out = _launch.run_route_backward(logits_TE, topk_idx_TK, grad_weight_TK, routed_scaling_factor, norm_topk_prob)
+    out = _launch.run_route_backward(
+        logits_TE, topk_idx_TK, grad_weight_TK, routed_scaling_factor, norm_topk_prob
+    )
     if out is None:
-        out = route_weight_backward(logits_TE, topk_idx_TK, grad_weight_TK, routed_scaling_factor, norm_topk_prob)
+        out = route_weight_backward(
+            logits_TE, topk_idx_TK, grad_weight_TK, routed_scaling_factor, norm_topk_prob
+        )
     return out
 
 
@@ -209,7 +223,12 @@ def moe_route(
     The weights are differentiable w.r.t. ``logits_TE``.
     """
     return _moe_route(
-        logits_TE, bias_E, int(top_k), int(n_group), int(topk_group), float(routed_scaling_factor),
+        logits_TE,
+        bias_E,
+        int(top_k),
+        int(n_group),
+        int(topk_group),
+        float(routed_scaling_factor),
         bool(norm_topk_prob),
     )
 
@@ -219,7 +238,9 @@ def moe_route(
 
 
 @torch.library.custom_op("k2::moe_permute", mutates_args=())
-def _moe_permute(x_TD: Tensor, topk_idx_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _moe_permute(
+    x_TD: Tensor, topk_idx_TK: Tensor, num_experts: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_permute(x_TD, topk_idx_TK, num_experts)
     out = _launch.run_permute(x_TD, topk_idx_TK, num_experts)
     if out is None:
@@ -309,7 +330,9 @@ def _moe_unpermute_backward(
     Row i came from (t, k) = divmod(row_to_slot_N[i], K): its gradient is w[t, k] * g[t], and
     w[t, k] gets <g[t], y[i]>, accumulated in fp32 like the forward.
     """
-    out = _launch.run_unpermute_backward(grad_out_TD, y_ND, row_to_slot_N, topk_weight_TK, need_grad_y, need_grad_w)
+    out = _launch.run_unpermute_backward(
+        grad_out_TD, y_ND, row_to_slot_N, topk_weight_TK, need_grad_y, need_grad_w
+    )
     if out is not None:
         grad_y, grad_w = out
         return grad_y, grad_w.to(topk_weight_TK.dtype)

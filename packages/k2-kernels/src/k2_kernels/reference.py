@@ -235,7 +235,9 @@ def mla_rope_pack_backward(
     """(d q, d kv, d k_rope) of `mla_rope_pack` in closed form (k_rope's gradient summed over heads)."""
     P = nope_dim
     cos, sin = cos_TR2.to(dq_THD.dtype), sin_TR2.to(dq_THD.dtype)
-    dq = torch.cat((dq_THD[..., :P], rope_interleaved_backward(dq_THD[..., P:], cos[:, None], sin[:, None])), -1)
+    dq = torch.cat(
+        (dq_THD[..., :P], rope_interleaved_backward(dq_THD[..., P:], cos[:, None], sin[:, None])), -1
+    )
     dkv = torch.cat((dk_THD[..., :P], dv_THV), dim=-1)
     dk_rope = rope_interleaved_backward(dk_THD[..., P:].sum(1), cos, sin)
     return dq, dkv, dk_rope

@@ -19,7 +19,9 @@ import torch
 from k2_kernels import info, ops, reference
 
 
-def _choice_scores(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, n_group: int, topk_group: int) -> torch.Tensor:
+def _choice_scores(
+    logits_TE: torch.Tensor, bias_E: torch.Tensor | None, n_group: int, topk_group: int
+) -> torch.Tensor:
     """The biased (and group-masked) scores the reference selects by, in float64."""
     T, E = logits_TE.shape
     choice_TE = logits_TE.double().sigmoid()
@@ -55,7 +57,9 @@ def route_mismatches(
     bias_E = None if bias_E is None else bias_E.cpu()
     idx_TK, weight_TK = idx_TK.cpu(), weight_TK.cpu()
     out: list[str] = []
-    ridx_TK, _ = reference.moe_route(logits_TE, bias_E, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob)
+    ridx_TK, _ = reference.moe_route(
+        logits_TE, bias_E, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob
+    )
     diff = idx_TK != ridx_TK
     if diff.any():
         choice_TE = _choice_scores(logits_TE, bias_E, n_group, topk_group)
@@ -63,7 +67,9 @@ def route_mismatches(
         bad = diff & (gap > tie_tol)
         if bad.any():
             t, k = (int(v) for v in bad.nonzero()[0])
-            out.append(f"indices differ at token {t} slot {k}: {int(idx_TK[t, k])} vs reference {int(ridx_TK[t, k])}")
+            out.append(
+                f"indices differ at token {t} slot {k}: {int(idx_TK[t, k])} vs reference {int(ridx_TK[t, k])}"
+            )
     s_TK = logits_TE.float().sigmoid().gather(1, idx_TK)
     want_TK = s_TK / (s_TK.sum(-1, keepdim=True) + 1e-20) if norm_topk_prob else s_TK
     err = (weight_TK - want_TK * routed_scaling_factor).abs().max().item() if weight_TK.numel() else 0.0
@@ -107,7 +113,9 @@ def check(device: str, quick: bool = False) -> list[str]:
             ref.backward(g_TD)
             if not torch.allclose(y_d.grad.cpu().float(), y.grad.float(), atol=1e-5, rtol=tol):
                 failures.append(f"moe_unpermute grad y {tag} {dtype}")
-            if not torch.allclose(wt_d.grad.cpu(), wt.grad, atol=1e-3 if dtype != torch.float32 else 1e-4, rtol=tol):
+            if not torch.allclose(
+                wt_d.grad.cpu(), wt.grad, atol=1e-3 if dtype != torch.float32 else 1e-4, rtol=tol
+            ):
                 failures.append(f"moe_unpermute grad w {tag} {dtype}")
     failures += attention_mismatches(device, gen)
     failures += newton_schulz_mismatches(device, gen)
@@ -123,7 +131,11 @@ def newton_schulz_mismatches(device: str, gen: torch.Generator) -> list[str]:
 
     failures = []
     coeffs = [(3.4445, -4.7750, 2.0315)] * 5
-    for shape, dtype in (((3, 40, 72), torch.float32), ((2, 130, 64), torch.float32), ((3, 64, 136), torch.bfloat16)):
+    for shape, dtype in (
+        ((3, 40, 72), torch.float32),
+        ((2, 130, 64), torch.float32),
+        ((3, 64, 136), torch.bfloat16),
+    ):
         x = torch.randn(*shape, generator=gen)
         x = x / x.norm(dim=(-2, -1), keepdim=True)
         got = newton_schulz(x.to(dtype).to(device), coeffs).cpu().double()
@@ -141,7 +153,11 @@ def attention_mismatches(device: str, gen: torch.Generator) -> list[str]:
     failures = []
     cu = torch.tensor([0, 37, 107, 108], dtype=torch.int32)
     T = int(cu[-1])
-    for (Dk, Dv), dtype in (((192, 128), torch.bfloat16), ((192, 128), torch.float32), ((64, 64), torch.bfloat16)):
+    for (Dk, Dv), dtype in (
+        ((192, 128), torch.bfloat16),
+        ((192, 128), torch.float32),
+        ((64, 64), torch.bfloat16),
+    ):
         tag = f"mla_attention Dk={Dk} Dv={Dv} {dtype}"
         q, k = (torch.randn(T, 2, Dk, generator=gen) for _ in range(2))
         v, g = (torch.randn(T, 2, Dv, generator=gen) for _ in range(2))

@@ -5,4 +5,4 @@ from k2_model.model import K2CausalLMOutput, K2ForCausalLM, K2Model
 
 __all__ = ["K2Config", "K2ForCausalLM", "K2Model", "K2CausalLMOutput", "PRESETS"]
 __version__ = "0.1.0"
-from k2_model.engine import Completion, Engine, SamplingParams  # noqa: E402,F401  (generation: k2_model.engine)
+from k2_model.engine import Completion, Engine, SamplingParams  # noqa: F401  (generation: k2_model.engine)

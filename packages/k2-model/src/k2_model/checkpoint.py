@@ -126,7 +126,7 @@ def _checkpoint_files(path: str) -> dict[str, str]:
     out = {}
     for fname in files:
         with safe_open(os.path.join(path, fname), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            for name in f.keys():
                 out[name] = os.path.join(path, fname)
     return out
 

@@ -139,7 +139,9 @@ class MLAttention(nn.Module):
             self.attn_impl == "auto" and fused_attention_available(device, self.P + self.R, self.V)
         )
 
-    def _resolve_impl(self, device: torch.device, mask_BSL: Tensor | None, segments: PackedSegments | None) -> str:
+    def _resolve_impl(
+        self, device: torch.device, mask_BSL: Tensor | None, segments: PackedSegments | None
+    ) -> str:
         impl = self.attn_impl
         fusable = mask_BSL is None or segments is not None
         if impl == "fused" and not fusable:
@@ -282,28 +284,49 @@ class DecoderLayer(nn.Module):
         self.activation_checkpointing = False
 
     def forward(
-        self, x_BSD: Tensor, cos: Tensor, sin: Tensor, mask_BSL: Tensor | None, segments: PackedSegments | None = None
+        self,
+        x_BSD: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask_BSL: Tensor | None,
+        segments: PackedSegments | None = None,
     ) -> Tensor:
         if self.activation_checkpointing and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
 
             return checkpoint(
-                self._forward, x_BSD, cos, sin, mask_BSL, segments, use_reentrant=False, context_fn=self._recompute_contexts
+                self._forward,
+                x_BSD,
+                cos,
+                sin,
+                mask_BSL,
+                segments,
+                use_reentrant=False,
+                context_fn=self._recompute_contexts,
             )
         return self._forward(x_BSD, cos, sin, mask_BSL, segments)
 
     def _forward(
-        self, x_BSD: Tensor, cos: Tensor, sin: Tensor, mask_BSL: Tensor | None, segments: PackedSegments | None
+        self,
+        x_BSD: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask_BSL: Tensor | None,
+        segments: PackedSegments | None,
     ) -> Tensor:
         x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos, sin, mask_BSL, segments)
         return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
 
-    def _recompute_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    def _recompute_contexts(
+        self,
+    ) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """(forward, recompute) contexts of the checkpointed layer. The recompute runs in training
         mode, so the router would count its tokens into the expert loads a second time; the
         recompute context restores the loads. (The max logits it re-records are the same values,
         and a max is unchanged by a repeat.)"""
-        return contextlib.nullcontext(), _keep_expert_loads(self.mlp.gate if isinstance(self.mlp, MoE) else None)
+        return contextlib.nullcontext(), _keep_expert_loads(
+            self.mlp.gate if isinstance(self.mlp, MoE) else None
+        )
 
 
 @contextlib.contextmanager
@@ -466,7 +489,9 @@ class K2ForCausalLM(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         if labels is not None and shift_labels is not None:
-            raise ValueError("pass either labels (unshifted, HF convention) or shift_labels (next tokens), not both")
+            raise ValueError(
+                "pass either labels (unshifted, HF convention) or shift_labels (next tokens), not both"
+            )
         for name, t in (("labels", labels), ("shift_labels", shift_labels)):
             if t is not None and t.shape != input_ids.shape:
                 raise ValueError(f"{name} shape {tuple(t.shape)} != input_ids shape {tuple(input_ids.shape)}")
@@ -477,7 +502,9 @@ class K2ForCausalLM(nn.Module):
             shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
         if shift_labels is not None:
             loss = F.cross_entropy(
-                logits_BSN.float().reshape(-1, logits_BSN.shape[-1]), shift_labels.reshape(-1), ignore_index=-100
+                logits_BSN.float().reshape(-1, logits_BSN.shape[-1]),
+                shift_labels.reshape(-1),
+                ignore_index=-100,
             )
         return K2CausalLMOutput(logits=logits_BSN, loss=loss)
 

@@ -19,10 +19,17 @@ __all__ = [
     "wsd_schedule",
 ]
 
-from .muonclip import MuonClip, muonclip_param_groups  # noqa: E402
-from .qk_clip import QKClipLayer, QKClipSpan, apply_qk_clip, reduce_max_logits  # noqa: E402
+from .muonclip import MuonClip, muonclip_param_groups
+from .qk_clip import QKClipLayer, QKClipSpan, apply_qk_clip, reduce_max_logits
 
-__all__ += ["MuonClip", "QKClipLayer", "QKClipSpan", "apply_qk_clip", "muonclip_param_groups", "reduce_max_logits"]
+__all__ += [
+    "MuonClip",
+    "QKClipLayer",
+    "QKClipSpan",
+    "apply_qk_clip",
+    "muonclip_param_groups",
+    "reduce_max_logits",
+]
 from .adapters import MHAQKClipAdapter, attach_qk_clip  # noqa: E402
 
 __all__ += ["MHAQKClipAdapter", "attach_qk_clip"]

@@ -49,28 +49,37 @@ def _ns_cost(rows: int, cols: int) -> float:
 
 
 @torch.no_grad()
-def sharded_muon_updates(opt: Any, group: dict[str, Any], sharded: list[tuple[Tensor, Tensor, Tensor]]) -> list[Tensor]:
+def sharded_muon_updates(
+    opt: Any, group: dict[str, Any], sharded: list[tuple[Tensor, Tensor, Tensor]]
+) -> list[Tensor]:
     """For each (DTensor param, local rows, local momentum-update rows): the local rows of
     -adjusted_lr * NS(full update), computed by the matrix's owner."""
     mesh = sharded[0][0].device_mesh
     if any(p.device_mesh != mesh for p, _, _ in sharded):
         raise ValueError("Muon: the row-sharded params of one param group must share one device mesh")
     if mesh.ndim != 1:
-        raise ValueError(f"Muon: row-sharded matrices need a 1-D device mesh (plain FSDP2), got a {mesh.ndim}-D mesh")
+        raise ValueError(
+            f"Muon: row-sharded matrices need a 1-D device mesh (plain FSDP2), got a {mesh.ndim}-D mesh"
+        )
     pg = mesh.get_group()
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     shapes = [tuple(p.shape) for p, _, _ in sharded]
     for (_, p_loc, _), (R, C) in zip(sharded, shapes):
         lo, hi = row_range(R, rank, world)
         if tuple(p_loc.shape) != (hi - lo, C):
-            raise ValueError(f"Muon: local shard {tuple(p_loc.shape)} of a {R}x{C} matrix is not torch.chunk-shaped")
+            raise ValueError(
+                f"Muon: local shard {tuple(p_loc.shape)} of a {R}x{C} matrix is not torch.chunk-shaped"
+            )
     owner = assign_owners([_ns_cost(R, C) for R, C in shapes], world)
     dtype = sharded[0][2].dtype
     device = sharded[0][2].device
 
     # 1. rows -> owner
     send = [
-        torch.cat([u.reshape(-1).to(dtype) for (_, _, u), o in zip(sharded, owner) if o == dst] or [_empty(dtype, device)])
+        torch.cat(
+            [u.reshape(-1).to(dtype) for (_, _, u), o in zip(sharded, owner) if o == dst]
+            or [_empty(dtype, device)]
+        )
         for dst in range(world)
     ]
     mine = [j for j in range(len(sharded)) if owner[j] == rank]

@@ -59,6 +59,7 @@ def local_view(p: Tensor, u: Tensor) -> tuple[Tensor, Tensor, bool]:
         )
     return p.to_local(), u if not hasattr(u, "to_local") else u.to_local(), whole
 
+
 _FUSED_ATTR = "_k2_muon_split"
 
 
@@ -120,7 +121,9 @@ def _check_split(shape: tuple[int, ...], sizes: tuple[int, ...], dim: int, where
     if dim not in (-2, -1):
         raise ValueError(f"{where}: split dim must be -2 (rows) or -1 (columns), got {dim}")
     if sum(sizes) != shape[dim] or any(s <= 0 for s in sizes):
-        raise ValueError(f"{where}: split sizes {sizes} must be positive and sum to shape[{dim}]={shape[dim]}")
+        raise ValueError(
+            f"{where}: split sizes {sizes} must be positive and sum to shape[{dim}]={shape[dim]}"
+        )
 
 
 class Muon(Optimizer):

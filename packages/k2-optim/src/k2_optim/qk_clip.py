@@ -133,7 +133,9 @@ def _local_rows(param: Tensor) -> tuple[Tensor, int]:
     if any(not isinstance(pl, (Shard, Replicate)) for pl in placements) or any(
         isinstance(pl, Shard) and pl.dim != 0 for pl in placements
     ):
-        raise ValueError(f"QK-Clip: DTensor placements {placements} are not supported (need Shard(0) or Replicate)")
+        raise ValueError(
+            f"QK-Clip: DTensor placements {placements} are not supported (need Shard(0) or Replicate)"
+        )
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, placements)

@@ -18,7 +18,9 @@ from torch.optim.lr_scheduler import LambdaLR
 __all__ = ["wsd_factor", "wsd_schedule"]
 
 
-def wsd_factor(step: int, warmup_steps: int, stable_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
+def wsd_factor(
+    step: int, warmup_steps: int, stable_steps: int, decay_steps: int, min_lr_ratio: float
+) -> float:
     """The WSD multiplier of the base lr at optimizer step `step` (0-based)."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
@@ -41,7 +43,11 @@ def wsd_schedule(
     last_epoch: int = -1,
 ) -> LambdaLR:
     """A `LambdaLR` applying `wsd_factor` to every param group (Muon and AdamW groups alike)."""
-    for name, v in (("warmup_steps", warmup_steps), ("stable_steps", stable_steps), ("decay_steps", decay_steps)):
+    for name, v in (
+        ("warmup_steps", warmup_steps),
+        ("stable_steps", stable_steps),
+        ("decay_steps", decay_steps),
+    ):
         if not isinstance(v, int) or v < 0:
             raise ValueError(f"wsd_schedule: {name} must be a non-negative int, got {v!r}")
     if not 0.0 <= min_lr_ratio <= 1.0:

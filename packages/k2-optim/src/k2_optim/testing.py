@@ -111,5 +111,3 @@ def loud_mla_model(seed: int = 0, gain: float = 12.0) -> "TinyMLAModel":
             a.q_proj.weight.mul_(gain)
             a.kv_b_proj.weight.mul_(gain)
     return m
-
-

@@ -12,8 +12,8 @@
 
 __version__ = "0.1.0"
 
-from k2_rl.config import RLConfig  # noqa: E402
-from k2_rl.loss import GRPOClippedLoss, KimiK15Loss, grpo_clipped_loss, kimi_k15_loss  # noqa: E402
+from k2_rl.config import RLConfig
+from k2_rl.loss import GRPOClippedLoss, KimiK15Loss, grpo_clipped_loss, kimi_k15_loss
 
 
 def __getattr__(name: str):

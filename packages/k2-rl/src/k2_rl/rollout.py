@@ -285,7 +285,7 @@ class RolloutWorker:
         ]
         if self.threads:
             cmd += ["--threads", str(self.threads)]
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT if self.log_path else subprocess.PIPE
@@ -304,7 +304,7 @@ class RolloutWorker:
             try:
                 self.client.health()
                 return self.client
-            except Exception:  # noqa: BLE001 - not up yet
+            except Exception:
                 time.sleep(0.2)
         self.close()
         raise TimeoutError(f"the rollout worker did not answer /health within {self.start_timeout_s:.0f} s")

@@ -13,13 +13,13 @@
 
 __version__ = "0.1.0"
 
-from k2_train.config import PretrainConfig, SFTConfig  # noqa: E402
-from k2_train.distributed import DistInfo  # noqa: E402
-from k2_train.losses import Loss, NextTokenLoss  # noqa: E402
-from k2_train.metrics import Callback, JSONLMetrics, PlainProgress, StepMetrics  # noqa: E402
-from k2_train.run import RunResult, run_training  # noqa: E402
-from k2_train.state import ModelState, OptimizerState, RNGState, TrainState  # noqa: E402
-from k2_train.trainer import FitResult, Trainer, TrainerConfig  # noqa: E402
+from k2_train.config import PretrainConfig, SFTConfig
+from k2_train.distributed import DistInfo
+from k2_train.losses import Loss, NextTokenLoss
+from k2_train.metrics import Callback, JSONLMetrics, PlainProgress, StepMetrics
+from k2_train.run import RunResult, run_training
+from k2_train.state import ModelState, OptimizerState, RNGState, TrainState
+from k2_train.trainer import FitResult, Trainer, TrainerConfig
 
 __all__ = [
     "Callback",

@@ -9,9 +9,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # headless: files only
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from k2_train.metrics import read_metrics  # noqa: E402,F401  (plots are drawn from metrics.jsonl rows)
+from k2_train.metrics import read_metrics  # noqa: F401  (plots are drawn from metrics.jsonl rows)
 
 
 def _ema(values: Sequence[float], decay: float) -> list[float]:

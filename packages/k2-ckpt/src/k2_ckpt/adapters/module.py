@@ -26,8 +26,9 @@ SCALE_SUFFIX = "_scale_inv"
 _SWAPPED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
 
 
-def dequantize_fp8_blocks(w_OI: torch.Tensor, scale_inv_oi: torch.Tensor, block: int = 128,
-                          out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp8_blocks(
+    w_OI: torch.Tensor, scale_inv_oi: torch.Tensor, block: int = 128, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """w * scale per (block x block) tile: `scale_inv_oi` is [ceil(O/block), ceil(I/block)]."""
     O, I = w_OI.shape
     s_OI = scale_inv_oi.float().repeat_interleave(block, 0)[:O].repeat_interleave(block, 1)[:, :I]
@@ -47,8 +48,15 @@ class ModuleAdapter:
     this commit did not swap in again is given private memory (a copy).
     """
 
-    def __init__(self, module: nn.Module, *, name_map: Callable[[str], str | None] | None = None,
-                 ignore_unknown: bool = False, fp8_block: int = 128, assign: bool = False):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        name_map: Callable[[str], str | None] | None = None,
+        ignore_unknown: bool = False,
+        fp8_block: int = 128,
+        assign: bool = False,
+    ):
         self.module = module
         self.assign = assign
         self.targets: dict[str, torch.Tensor] = dict(module.named_parameters())
@@ -59,7 +67,9 @@ class ModuleAdapter:
         # receiver staging buffers, reused across updates (staged mode keeps one model-sized copy):
         # name -> a contiguous tensor whose bytes the next update may stage into
         self.staging_pool: dict[str, torch.Tensor] = {}
-        self._valid: set[tuple] = set()  # (name, dtype, shape) that passed `validate`: every update repeats them
+        self._valid: set[tuple] = (
+            set()
+        )  # (name, dtype, shape) that passed `validate`: every update repeats them
         self._swapped_now: set[str] = set()  # targets the current update's commit swapped in
         self._committed_now = False  # the current update had a staged commit
 
@@ -73,7 +83,9 @@ class ModuleAdapter:
     def _target(self, name: str, orig: str) -> torch.Tensor | None:
         t = self.targets.get(name)
         if t is None and not self.ignore_unknown:
-            raise TensorMismatch(f"tensor {orig!r}: the receiver's module has no parameter or buffer {name!r}")
+            raise TensorMismatch(
+                f"tensor {orig!r}: the receiver's module has no parameter or buffer {name!r}"
+            )
         return t
 
     def validate(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
@@ -92,8 +104,10 @@ class ModuleAdapter:
                 return
             want = tuple(math.ceil(s / self.block) for s in weight.shape)
             if tuple(shape) != want:
-                raise TensorMismatch(f"tensor {name!r}: block scale shape {tuple(shape)}, expected {want} "
-                                     f"for weight shape {tuple(weight.shape)} with {self.block}x{self.block} blocks")
+                raise TensorMismatch(
+                    f"tensor {name!r}: block scale shape {tuple(shape)}, expected {want} "
+                    f"for weight shape {tuple(weight.shape)} with {self.block}x{self.block} blocks"
+                )
             return
         t = self._target(mapped, name)
         if t is None:
@@ -127,8 +141,10 @@ class ModuleAdapter:
                     self._pending_fp8[mapped] = src.clone()
                 continue
             if src.dtype != dst.dtype or src.shape != dst.shape:
-                raise TensorMismatch(f"tensor {name!r}: {src.dtype}{tuple(src.shape)} does not match the "
-                                     f"receiver's {dst.dtype}{tuple(dst.shape)}")
+                raise TensorMismatch(
+                    f"tensor {name!r}: {src.dtype}{tuple(src.shape)} does not match the "
+                    f"receiver's {dst.dtype}{tuple(dst.shape)}"
+                )
             if src.dtype in FLOAT8:  # byte copy: not every device/kernel copies float8 directly
                 dst.view(torch.uint8).copy_(src.view(torch.uint8))
             else:
@@ -145,8 +161,13 @@ class ModuleAdapter:
         for name, src in named:
             mapped = self._name(name)
             dst = self.targets.get(mapped) if mapped is not None else None
-            if (dst is None or src.dtype != dst.dtype or src.shape != dst.shape or src.device != dst.device
-                    or not dst.is_contiguous()):
+            if (
+                dst is None
+                or src.dtype != dst.dtype
+                or src.shape != dst.shape
+                or src.device != dst.device
+                or not dst.is_contiguous()
+            ):
                 rest.append((name, src))  # dequantised, renamed-away or other-device tensors: the copy path
                 continue
             self.staging_pool[name] = dst.data  # the next update stages into the old storage
@@ -158,7 +179,9 @@ class ModuleAdapter:
         """The update was abandoned: forget FP8 halves waiting for their partner."""
         self._pending_fp8.clear()
         self._pending_scale.clear()
-        _SWAPPED.setdefault(self.module, set()).update(self._swapped_now)  # a failed commit may have swapped some in
+        _SWAPPED.setdefault(self.module, set()).update(
+            self._swapped_now
+        )  # a failed commit may have swapped some in
         self._swapped_now, self._committed_now = set(), False
 
     def _copy_dequant(self, name: str, w: torch.Tensor, scale: torch.Tensor) -> None:
@@ -180,4 +203,6 @@ class ModuleAdapter:
         self._pending_fp8.clear()
         self._pending_scale.clear()
         if missing:
-            raise TensorMismatch(f"FP8 weights without their {SCALE_SUFFIX} partner (or the reverse): {missing}")
+            raise TensorMismatch(
+                f"FP8 weights without their {SCALE_SUFFIX} partner (or the reverse): {missing}"
+            )

@@ -15,10 +15,14 @@ from k2_ckpt.device import device_id, pick_address
 from k2_ckpt.worker import FunctionLoader, update_weights_from_ipc
 
 
-def sglang_update_weights_from_ipc(model_runner, zmq_handles: dict[str, str], *, staged: bool = False,
-                                   timeout_s: float = 300.0) -> dict:
-    dev = torch.device("cuda", int(model_runner.gpu_id)) if hasattr(model_runner, "gpu_id") \
+def sglang_update_weights_from_ipc(
+    model_runner, zmq_handles: dict[str, str], *, staged: bool = False, timeout_s: float = 300.0
+) -> dict:
+    dev = (
+        torch.device("cuda", int(model_runner.gpu_id))
+        if hasattr(model_runner, "gpu_id")
         else torch.device(model_runner.device)
+    )
     me = device_id(dev, 0)
     model = model_runner.model
 
@@ -27,6 +31,7 @@ def sglang_update_weights_from_ipc(model_runner, zmq_handles: dict[str, str], *,
             torch.cuda.synchronize(dev)
 
     loader = FunctionLoader(lambda named: model.load_weights(list(named)), post_hook=post_hook)
-    res = update_weights_from_ipc(pick_address(zmq_handles, me), loader, device=dev, device_id=me,
-                                  staged=staged, timeout_s=timeout_s)
+    res = update_weights_from_ipc(
+        pick_address(zmq_handles, me), loader, device=dev, device_id=me, staged=staged, timeout_s=timeout_s
+    )
     return dataclasses.asdict(res)

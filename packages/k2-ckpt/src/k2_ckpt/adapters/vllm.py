@@ -25,8 +25,9 @@ class VllmWorkerExtension:
     """Mixed into vLLM's GPU worker; `self.device`, `self.model_runner` and `self.model_config`
     are the worker's own attributes."""
 
-    def update_weights_from_ipc(self, zmq_handles: dict[str, str], staged: bool = False,
-                                timeout_s: float = 300.0) -> dict:
+    def update_weights_from_ipc(
+        self, zmq_handles: dict[str, str], staged: bool = False, timeout_s: float = 300.0
+    ) -> dict:
         dev = torch.device(self.device)  # type: ignore[attr-defined]
         me = device_id(dev, 0)
         model = self.model_runner.model  # type: ignore[attr-defined]
@@ -39,8 +40,14 @@ class VllmWorkerExtension:
                 torch.cuda.synchronize(dev)
 
         loader = FunctionLoader(lambda named: model.load_weights(weights=list(named)), post_hook=post_hook)
-        res = update_weights_from_ipc(pick_address(zmq_handles, me), loader, device=dev, device_id=me,
-                                      staged=staged, timeout_s=timeout_s)
+        res = update_weights_from_ipc(
+            pick_address(zmq_handles, me),
+            loader,
+            device=dev,
+            device_id=me,
+            staged=staged,
+            timeout_s=timeout_s,
+        )
         return dataclasses.asdict(res)
 
 
@@ -49,8 +56,11 @@ def vllm_req_func(base_url: str, timeout_s: float = 600.0) -> Callable[[dict[str
     import httpx
 
     def req(zmq_handles: dict[str, str]) -> None:
-        r = httpx.post(base_url.rstrip("/") + "/collective_rpc", timeout=timeout_s,
-                       json={"method": "update_weights_from_ipc", "args": [zmq_handles]})
+        r = httpx.post(
+            base_url.rstrip("/") + "/collective_rpc",
+            timeout=timeout_s,
+            json={"method": "update_weights_from_ipc", "args": [zmq_handles]},
+        )
         r.raise_for_status()
 
     return req

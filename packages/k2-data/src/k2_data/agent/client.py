@@ -78,9 +78,17 @@ def _retry_delay(attempt: int, backoff_s: float, retry_after: str | None) -> flo
 
 
 class _Base:
-    def __init__(self, base_url: str, api_key: str | None = None, *, timeout_s: float = 120.0,
-                 connect_timeout_s: float = 10.0, max_retries: int = 2, backoff_s: float = 0.5,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        timeout_s: float = 120.0,
+        connect_timeout_s: float = 10.0,
+        max_retries: int = 2,
+        backoff_s: float = 0.5,
+        headers: dict[str, str] | None = None,
+    ):
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
         if max_retries < 0 or timeout_s <= 0:

@@ -92,9 +92,15 @@ def format_result(value: Any) -> str:
 class _Core:
     """What the sync and async loops share: building requests, reading turns, checking calls."""
 
-    def __init__(self, tools: Iterable[Tool | Callable[..., Any]], model: str, max_steps: int,
-                 params: dict[str, Any] | None, parse_text_tool_calls: bool,
-                 on_message: Callable[[Message], None] | None):
+    def __init__(
+        self,
+        tools: Iterable[Tool | Callable[..., Any]],
+        model: str,
+        max_steps: int,
+        params: dict[str, Any] | None,
+        parse_text_tool_calls: bool,
+        on_message: Callable[[Message], None] | None,
+    ):
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
         self.tools: dict[str, Tool] = {}
@@ -183,8 +189,9 @@ class _Core:
     def failure(name: str, e: Exception) -> str:
         return f"Error: tool {name} raised {type(e).__name__}: {e}"
 
-    def answer(self, messages: list[Message], result: AgentResult, call: dict[str, Any], content: str,
-               failed: bool) -> None:
+    def answer(
+        self, messages: list[Message], result: AgentResult, call: dict[str, Any], content: str, failed: bool
+    ) -> None:
         name = call["function"]["name"]
         result.tool_calls += 1
         if failed:
@@ -205,10 +212,19 @@ class Agent(_Core):
     (`temperature`, `max_tokens`, `tool_choice`, ...). `on_message` sees each appended message.
     """
 
-    def __init__(self, client: str | ChatClient, tools: Iterable[Tool | Callable[..., Any]] = (), *,
-                 model: str, max_steps: int = 10, params: dict[str, Any] | None = None,
-                 api_key: str | None = None, client_options: dict[str, Any] | None = None,
-                 parse_text_tool_calls: bool = True, on_message: Callable[[Message], None] | None = None):
+    def __init__(
+        self,
+        client: str | ChatClient,
+        tools: Iterable[Tool | Callable[..., Any]] = (),
+        *,
+        model: str,
+        max_steps: int = 10,
+        params: dict[str, Any] | None = None,
+        api_key: str | None = None,
+        client_options: dict[str, Any] | None = None,
+        parse_text_tool_calls: bool = True,
+        on_message: Callable[[Message], None] | None = None,
+    ):
         super().__init__(tools, model, max_steps, params, parse_text_tool_calls, on_message)
         if isinstance(client, str):
             self.client: ChatClient = HTTPChatClient(client, api_key, **(client_options or {}))
@@ -266,10 +282,19 @@ class AsyncAgent(_Core):
     run concurrently (their results are appended in call order). `client` is a base URL or an async
     callable `request -> response`."""
 
-    def __init__(self, client: str | AsyncChatClient, tools: Iterable[Tool | Callable[..., Any]] = (), *,
-                 model: str, max_steps: int = 10, params: dict[str, Any] | None = None,
-                 api_key: str | None = None, client_options: dict[str, Any] | None = None,
-                 parse_text_tool_calls: bool = True, on_message: Callable[[Message], None] | None = None):
+    def __init__(
+        self,
+        client: str | AsyncChatClient,
+        tools: Iterable[Tool | Callable[..., Any]] = (),
+        *,
+        model: str,
+        max_steps: int = 10,
+        params: dict[str, Any] | None = None,
+        api_key: str | None = None,
+        client_options: dict[str, Any] | None = None,
+        parse_text_tool_calls: bool = True,
+        on_message: Callable[[Message], None] | None = None,
+    ):
         super().__init__(tools, model, max_steps, params, parse_text_tool_calls, on_message)
         if isinstance(client, str):
             self.client: AsyncChatClient = AsyncHTTPChatClient(client, api_key, **(client_options or {}))
@@ -321,8 +346,15 @@ class AsyncAgent(_Core):
         await self.aclose()
 
 
-def run_agent(client: str | ChatClient, messages: Messages, tools: Iterable[Tool | Callable[..., Any]] = (), *,
-              model: str, max_steps: int = 10, **kwargs: Any) -> AgentResult:
+def run_agent(
+    client: str | ChatClient,
+    messages: Messages,
+    tools: Iterable[Tool | Callable[..., Any]] = (),
+    *,
+    model: str,
+    max_steps: int = 10,
+    **kwargs: Any,
+) -> AgentResult:
     """One-shot `Agent(client, tools, model=..., max_steps=..., **kwargs).run(messages)`."""
     with Agent(client, tools, model=model, max_steps=max_steps, **kwargs) as agent:
         return agent.run(messages)

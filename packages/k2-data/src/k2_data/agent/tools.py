@@ -63,14 +63,24 @@ def type_schema(tp: Any, where: str = "type") -> JSONSchema:
         return {"anyOf": [type_schema(a, where) for a in args]}
     if origin in (list, tuple, set, frozenset, abc.Sequence):
         if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-            return {"type": "array", "prefixItems": [type_schema(a, where) for a in args],
-                    "minItems": len(args), "maxItems": len(args)}
+            return {
+                "type": "array",
+                "prefixItems": [type_schema(a, where) for a in args],
+                "minItems": len(args),
+                "maxItems": len(args),
+            }
         return {"type": "array", "items": type_schema(args[0], where)} if args else {"type": "array"}
     if origin is dict:
         if args and args[0] is not str:
             raise TypeError(f"{where}: JSON object keys are strings, got dict[{args[0]!r}, ...]")
-        return {"type": "object", "additionalProperties": type_schema(args[1], where)} if args else {"type": "object"}
-    raise TypeError(f"{where}: cannot derive a JSON schema from {tp!r}; pass parameters= to tool() explicitly")
+        return (
+            {"type": "object", "additionalProperties": type_schema(args[1], where)}
+            if args
+            else {"type": "object"}
+        )
+    raise TypeError(
+        f"{where}: cannot derive a JSON schema from {tp!r}; pass parameters= to tool() explicitly"
+    )
 
 
 def _doc_parts(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
@@ -97,8 +107,10 @@ def signature_schema(fn: Callable[..., Any]) -> JSONSchema:
     required: list[str] = []
     for name, p in sig.parameters.items():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY):
-            raise TypeError(f"tool {fn.__name__}: parameter {name!r} must be passable by keyword "
-                            "(the model sends a JSON object)")
+            raise TypeError(
+                f"tool {fn.__name__}: parameter {name!r} must be passable by keyword "
+                "(the model sends a JSON object)"
+            )
         schema = type_schema(hints.get(name, Any), f"tool {fn.__name__}, parameter {name!r}")
         if name in docs:
             schema["description"] = docs[name]
@@ -135,14 +147,23 @@ class Tool:
         return self.fn(*args, **kwargs)
 
 
-def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, description: str | None = None,
-         parameters: JSONSchema | None = None) -> Any:
+def tool(
+    fn: Callable[..., Any] | None = None,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    parameters: JSONSchema | None = None,
+) -> Any:
     """Make a `Tool` from a function: `@tool`, or `@tool(name=..., description=..., parameters=...)`."""
 
     def make(f: Callable[..., Any]) -> Tool:
         summary, _ = _doc_parts(f)
-        return Tool(fn=f, name=name or f.__name__, description=summary if description is None else description,
-                    parameters=signature_schema(f) if parameters is None else parameters)
+        return Tool(
+            fn=f,
+            name=name or f.__name__,
+            description=summary if description is None else description,
+            parameters=signature_schema(f) if parameters is None else parameters,
+        )
 
     return make(fn) if fn is not None else make
 

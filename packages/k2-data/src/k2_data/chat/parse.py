@@ -64,7 +64,7 @@ def parse_section_spans(body: str) -> list[tuple[str, str, int, int]]:
         begin = body.find(CALL_BEGIN, pos)
         if begin < 0:
             if body[pos:].strip():
-                raise MalformedSection(f"text {body[pos:pos + 40]!r} outside a call")
+                raise MalformedSection(f"text {body[pos : pos + 40]!r} outside a call")
             break
         if body[pos:begin].strip():
             raise MalformedSection(f"text {body[pos:begin][:40]!r} between calls")
@@ -78,7 +78,7 @@ def parse_section_spans(body: str) -> list[tuple[str, str, int, int]]:
         arg = call.find(ARGUMENT_BEGIN)
         if arg < 0:
             raise MalformedSection("a call without <|tool_call_argument_begin|>")
-        if ARGUMENT_BEGIN in call[arg + len(ARGUMENT_BEGIN):]:
+        if ARGUMENT_BEGIN in call[arg + len(ARGUMENT_BEGIN) :]:
             raise MalformedSection("two <|tool_call_argument_begin|> in one call")
         call_id, name = parse_header(call[:arg])
         a0 = start + arg + len(ARGUMENT_BEGIN)

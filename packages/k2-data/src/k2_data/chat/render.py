@@ -65,16 +65,22 @@ def _content_text(content: Any, where: str) -> str:
                 out.append(part)
                 continue
             if not isinstance(part, Mapping):
-                raise ValueError(f"{where}: field 'content[{j}]' must be an object or a string, got {type(part).__name__}")
+                raise ValueError(
+                    f"{where}: field 'content[{j}]' must be an object or a string, got {type(part).__name__}"
+                )
             kind = part.get("type", "text")
             if kind != "text":
-                raise ValueError(f"{where}: field 'content[{j}].type' is {kind!r}; only 'text' parts can be rendered")
+                raise ValueError(
+                    f"{where}: field 'content[{j}].type' is {kind!r}; only 'text' parts can be rendered"
+                )
             text = part.get("text")
             if not isinstance(text, str):
                 raise ValueError(f"{where}: field 'content[{j}].text' must be a string")
             out.append(text)
         return "".join(out)
-    raise ValueError(f"{where}: field 'content' must be a string or a list of content parts, got {type(content).__name__}")
+    raise ValueError(
+        f"{where}: field 'content' must be a string or a list of content parts, got {type(content).__name__}"
+    )
 
 
 def _arguments_text(arguments: Any, where: str) -> str:
@@ -99,7 +105,9 @@ def render_segments(
     add_generation_prompt: bool = False,
 ) -> list[Segment]:
     """The rendered conversation as `(text, is_marker)` segments; see the module docstring."""
-    return [(text, is_marker) for text, is_marker, _ in _tagged_segments(messages, tools, add_generation_prompt)]
+    return [
+        (text, is_marker) for text, is_marker, _ in _tagged_segments(messages, tools, add_generation_prompt)
+    ]
 
 
 def _tagged_segments(
@@ -138,16 +146,22 @@ def _tagged_segments(
             raise ValueError(f"{where}: field 'name' must be a non-empty string when given")
         tool_calls = msg.get("tool_calls") if role == "assistant" else None
         if role != "assistant" and msg.get("tool_calls"):
-            raise ValueError(f"{where}: field 'tool_calls' is only allowed on assistant messages (role is {role!r})")
+            raise ValueError(
+                f"{where}: field 'tool_calls' is only allowed on assistant messages (role is {role!r})"
+            )
         content = msg.get("content")
         if content is None and not tool_calls:
-            raise ValueError(f"{where}: field 'content' is missing (only an assistant message with tool_calls may omit it)")
+            raise ValueError(
+                f"{where}: field 'content' is missing (only an assistant message with tool_calls may omit it)"
+            )
         text = "" if content is None else _content_text(content, where)
 
         if role == "tool":
             call_id = msg.get("tool_call_id")
             if not isinstance(call_id, str) or not call_id:
-                raise ValueError(f"{where}: a tool message needs field 'tool_call_id' (the id of the call it answers)")
+                raise ValueError(
+                    f"{where}: a tool message needs field 'tool_call_id' (the id of the call it answers)"
+                )
             # the released template names the turn `name or role`; we fall back to the called function's
             # name before 'tool', since OpenAI clients rarely send `name` on tool messages
             turn_name = name or name_of.get(call_id, "tool")
@@ -168,7 +182,9 @@ def _tagged_segments(
                     raise ValueError(f"{cwhere}: field 'type' must be 'function', got {call.get('type')!r}")
                 fn = call.get("function")
                 if not isinstance(fn, Mapping):
-                    raise ValueError(f"{cwhere}: field 'function' must be an object with 'name' and 'arguments'")
+                    raise ValueError(
+                        f"{cwhere}: field 'function' must be an object with 'name' and 'arguments'"
+                    )
                 fname = fn.get("name")
                 if not isinstance(fname, str) or not fname:
                     raise ValueError(f"{cwhere}: field 'function.name' must be a non-empty string")
@@ -186,7 +202,13 @@ def _tagged_segments(
                         name_of[orig] = fname
                 name_of[call_id] = fname
                 call_count += 1
-                body_segs += [(CALL_BEGIN, True), (call_id, False), (ARGUMENT_BEGIN, True), (args, False), (CALL_END, True)]
+                body_segs += [
+                    (CALL_BEGIN, True),
+                    (call_id, False),
+                    (ARGUMENT_BEGIN, True),
+                    (args, False),
+                    (CALL_END, True),
+                ]
             body_segs.append((SECTION_END, True))
         segs += _turn(ROLE_MARKERS[role], name or role, body_segs, trainable=role == "assistant")
 

@@ -71,8 +71,11 @@ def _first_marker(text: str, start: int) -> tuple[int, str | None]:
 
 
 def _call_delta(index: int, call_id: str, name: str) -> Delta:
-    return {"tool_calls": [{"index": index, "id": call_id, "type": "function",
-                            "function": {"name": name, "arguments": ""}}]}
+    return {
+        "tool_calls": [
+            {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+        ]
+    }
 
 
 def _args_delta(index: int, fragment: str) -> Delta:
@@ -296,8 +299,9 @@ def accumulate_deltas(deltas: Iterable[Delta]) -> tuple[str, list[ToolCall]]:
         if delta.get("content"):
             content.append(delta["content"])
         for tc in delta.get("tool_calls") or ():
-            call = calls.setdefault(tc["index"], {"id": None, "type": "function",
-                                                  "function": {"name": "", "arguments": ""}})
+            call = calls.setdefault(
+                tc["index"], {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+            )
             if tc.get("id"):
                 call["id"] = tc["id"]
             if tc.get("type"):

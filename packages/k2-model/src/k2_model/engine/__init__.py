@@ -1,8 +1,8 @@
 """k2_model.engine: batched generation over MLA's compressed KV cache (absorbed-weight decode).
 
-    from k2_model.engine import Engine, SamplingParams
-    engine = Engine(model, detokenize=tok.decode)
-    outs = engine.generate([ids_a, ids_b], SamplingParams(max_tokens=64, temperature=0.7, seed=1))
+from k2_model.engine import Engine, SamplingParams
+engine = Engine(model, detokenize=tok.decode)
+outs = engine.generate([ids_a, ids_b], SamplingParams(max_tokens=64, temperature=0.7, seed=1))
 """
 
 from k2_model.engine.cache import MLACache

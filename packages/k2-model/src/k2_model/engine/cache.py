@@ -77,7 +77,9 @@ class MLACache:
             new_l = min(2 * new_l, self.max_len)
         if (new_n, new_l) == (self.slots, self.capacity):
             return
-        grown = torch.zeros(self.num_layers, new_n, new_l, self.row_size, dtype=self.dtype, device=self.device)
+        grown = torch.zeros(
+            self.num_layers, new_n, new_l, self.row_size, dtype=self.dtype, device=self.device
+        )
         grown[:, : self.slots, : self.capacity] = self.kv_LyNLK
         self.kv_LyNLK = grown
 

@@ -76,7 +76,9 @@ def decode_attention_absorbed(
     q_lat_HnC = torch.bmm(q_nope_nHP.transpose(0, 1), w_uk_HPC)  # W_UK folded into the query
     q_nHK = torch.cat((q_lat_HnC.transpose(0, 1), q_rope_nHR), dim=-1)
     scores_nHL = torch.bmm(q_nHK, kv_nLK.transpose(1, 2).to(q_nHK.dtype))
-    scores_nHL = scores_nHL.mul_(attn.softmax_scale).masked_fill_(~_key_mask(pos_n + 1, max_len), float("-inf"))
+    scores_nHL = scores_nHL.mul_(attn.softmax_scale).masked_fill_(
+        ~_key_mask(pos_n + 1, max_len), float("-inf")
+    )
     probs_nHL = F.softmax(scores_nHL, dim=-1, dtype=torch.float32).to(q_nHK.dtype)
     o_lat_nHC = torch.bmm(probs_nHL, kv_nLK[..., :C].to(q_nHK.dtype))
     o_HnV = torch.bmm(o_lat_nHC.transpose(0, 1), w_uv_HVC.transpose(1, 2))  # W_UV folded into the output
@@ -106,7 +108,9 @@ def decode_attention_expanded(
     k_nHLX = torch.cat((k_nope_nHLP, kv_nLK[..., C:].unsqueeze(1).expand(n, H, max_len, R)), dim=-1)
     q_nH1X = torch.cat((q_nope_nHP, q_rope_nHR), dim=-1).unsqueeze(2)
     mask_n11L = _key_mask(pos_n + 1, max_len).unsqueeze(1)
-    o_nH1V = F.scaled_dot_product_attention(q_nH1X, k_nHLX, v_nHLV, attn_mask=mask_n11L, scale=attn.softmax_scale)
+    o_nH1V = F.scaled_dot_product_attention(
+        q_nH1X, k_nHLX, v_nHLV, attn_mask=mask_n11L, scale=attn.softmax_scale
+    )
     return attn.o_proj(o_nH1V.reshape(n, H * V))
 
 
@@ -142,7 +146,11 @@ def prefill_attention(
         sl = slice(start, start + S)
         outs.append(
             F.scaled_dot_product_attention(
-                q_HTX[None, :, sl], k_HTX[None, :, sl], v_HTV[None, :, sl], is_causal=True, scale=attn.softmax_scale
+                q_HTX[None, :, sl],
+                k_HTX[None, :, sl],
+                v_HTV[None, :, sl],
+                is_causal=True,
+                scale=attn.softmax_scale,
             )[0]
         )
         start += S

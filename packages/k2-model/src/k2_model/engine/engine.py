@@ -103,7 +103,9 @@ class Engine:
         seed: int = 0,
     ) -> None:
         if attention not in DECODE_ATTENTION:
-            raise ValueError(f"Engine: attention must be one of {sorted(DECODE_ATTENTION)}, got {attention!r}")
+            raise ValueError(
+                f"Engine: attention must be one of {sorted(DECODE_ATTENTION)}, got {attention!r}"
+            )
         if max_batch_size < 1:
             raise ValueError(f"Engine: max_batch_size must be >= 1, got {max_batch_size}")
         cfg = model.config
@@ -131,7 +133,10 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
     ) -> str:
         """Queue a request; it joins the batch at the next step. Returns its id."""
         params = params or SamplingParams()
@@ -140,7 +145,9 @@ class Engine:
         if not ids:
             raise ValueError("Engine.add_request: prompt_token_ids is empty")
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"Engine.add_request: prompt_token_ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+            raise ValueError(
+                f"Engine.add_request: prompt_token_ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}"
+            )
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"Engine.add_request: prompt of {len(ids)} tokens leaves no room in max_model_len={self.max_model_len}"
@@ -149,7 +156,11 @@ class Engine:
             raise ValueError("Engine.add_request: SamplingParams.stop needs an Engine built with detokenize=")
         with self._lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-            seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
+            seed = (
+                params.seed
+                if params.seed is not None
+                else int(torch.randint(2**62, (1,), generator=self._seeds))
+            )
             gen = None if params.greedy else torch.Generator().manual_seed(seed)
             self._waiting.append(_Running(Completion(rid, ids, params), gen))
         return rid
@@ -189,7 +200,7 @@ class Engine:
                 try:
                     with torch.no_grad():
                         fut.set_result(fn())
-                except BaseException as e:  # noqa: BLE001 - handed to the caller through the Future
+                except BaseException as e:
                     fut.set_exception(e)
         return self._step()
 
@@ -235,9 +246,7 @@ class Engine:
             rows += admitted
         if not rows:
             return outputs
-        res = sample(
-            torch.cat(logits), [r.completion.params for r in rows], [r.generator for r in rows]
-        )
+        res = sample(torch.cat(logits), [r.completion.params for r in rows], [r.generator for r in rows])
         tokens, lps, slps = res.tokens_n.tolist(), res.logprob_n.tolist(), res.sampled_logprob_n.tolist()
         finished_slots = []
         for i, r in enumerate(rows):
@@ -252,7 +261,9 @@ class Engine:
                 c.finish_reason, c.stop_reason = reason, stop_reason
                 finished_slots.append(i)  # rows are in slot order
             outputs.append(
-                StepOutput(c.request_id, [tokens[i]], [lps[i]], [slps[i]], delta, reason is not None, reason, c)
+                StepOutput(
+                    c.request_id, [tokens[i]], [lps[i]], [slps[i]], delta, reason is not None, reason, c
+                )
             )
         for slot in reversed(finished_slots):
             self._release(slot)
@@ -311,7 +322,9 @@ class Engine:
 
     # ------------------------------------------------------------------ convenience
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
         """Run the given prompts to completion (batched); completions in prompt order."""
         if params is None or isinstance(params, SamplingParams):

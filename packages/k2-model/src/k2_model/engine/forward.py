@@ -58,6 +58,8 @@ def decode(
     cos_nR2, sin_nR2 = rope_cos_sin(inner.rope_inv_freq, pos_n, inner.rope_attention_factor)
     h_nD = inner.embed_tokens(tokens_n)
     for i, layer in enumerate(inner.layers):
-        h_nD = h_nD + attend(layer.self_attn, layer.input_layernorm(h_nD), cos_nR2, sin_nR2, cache, i, pos_n, max_len)
+        h_nD = h_nD + attend(
+            layer.self_attn, layer.input_layernorm(h_nD), cos_nR2, sin_nR2, cache, i, pos_n, max_len
+        )
         h_nD = h_nD + _mlp(layer, h_nD)
     return model.lm_head(inner.norm(h_nD)).float()

@@ -54,8 +54,14 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
-        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) or self.top_logprobs < 0:
+            raise ValueError(
+                f"SamplingParams.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
+            )
+        if (
+            isinstance(self.top_logprobs, bool)
+            or not isinstance(self.top_logprobs, int)
+            or self.top_logprobs < 0
+        ):
             raise ValueError(f"SamplingParams.top_logprobs must be an int >= 0, got {self.top_logprobs!r}")
 
     @property
@@ -123,7 +129,9 @@ def sample(
                 u_N = torch.rand(N, generator=g, device=g.device if g is not None else device)
                 gumbel_nN[i] = -torch.log(-torch.log(u_N.clamp_min(1e-20)).to(device))
         tokens_n = torch.where(
-            torch.tensor(greedy, device=device), logits_nN.argmax(dim=-1), (proc_logp_nN + gumbel_nN).argmax(dim=-1)
+            torch.tensor(greedy, device=device),
+            logits_nN.argmax(dim=-1),
+            (proc_logp_nN + gumbel_nN).argmax(dim=-1),
         )
         sampled_lp_n = proc_logp_nN.gather(1, tokens_n.unsqueeze(1)).squeeze(1)
         sampled_lp_n = torch.where(torch.tensor(greedy, device=device), 0.0, sampled_lp_n)

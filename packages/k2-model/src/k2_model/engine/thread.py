@@ -30,7 +30,10 @@ class EngineThread:
         self._thread.start()
 
     def submit(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
     ) -> tuple[str, queue.Queue[StepOutput | BaseException]]:
         q: queue.Queue[StepOutput | BaseException] = queue.Queue()
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
@@ -73,7 +76,7 @@ class EngineThread:
                     return
             try:
                 outs = self.engine.step()
-            except BaseException as e:  # noqa: BLE001 - every waiting request learns about it
+            except BaseException as e:
                 for q in list(self._queues.values()):
                     q.put(e)
                 self._queues.clear()
