@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,6 +29,7 @@ def test_no_benchmark_script_shadows_a_stdlib_module():
     assert scripts and not scripts & sys.stdlib_module_names, sorted(scripts & sys.stdlib_module_names)
 
 
+@pytest.mark.slow
 def test_attention_benchmark_prints_its_table():
     out = run_bench("attention.py", "--seqs", "64,160", "--heads", "2", "--repeats", "1")
     rows = [line for line in out.splitlines() if line.startswith(("| 64 |", "| 160 |"))]

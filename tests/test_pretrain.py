@@ -215,6 +215,7 @@ def test_two_process_fsdp2_matches_one_process(tmp_path, corpus):
     assert main(["export", str(tmp_path / "two"), "--out", str(tmp_path / "two_hf")]) == 0
 
 
+@pytest.mark.dist
 def test_two_process_stop_and_resume_is_exact(tmp_path, corpus):
     """A 2-process (FSDP2) run stopped after step 2 and resumed with 2 processes logs the same
     losses as the uninterrupted 2-process run: the checkpoint holds the full optimizer state."""
@@ -304,6 +305,7 @@ def test_document_mask_equals_separate_documents(tmp_path, corpus):
     assert packed.item() == pytest.approx(total / count, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_and_resume_continues_exactly(tmp_path, corpus):
     """SIGINT finishes the current step, checkpoints, exits 130; --resume reproduces the losses."""
     import os

@@ -136,6 +136,7 @@ def _rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_rl_run_metrics_and_exact_resume(tmp_path):
     full = run_rl(_cfg(tmp_path, "full"), log=lambda _m: None)
     assert full.iterations_done == 4 and full.steps == 8 and not full.interrupted
