@@ -80,27 +80,9 @@ def build_config(args: argparse.Namespace):
     if args.out is not None:
         overrides["out"] = args.out
     if args.resume is not None:
-        saved = args.resume / "config.json"
-        if not saved.is_file():
-            raise ValueError(f"--resume {args.resume}: {saved} not found (not a k2 rl run dir)")
-        stored = json.loads(saved.read_text())
-        task = stored.pop("task", None)
-        if task != "rl":
-            raise ValueError(f"--resume {args.resume}: that is a `k2 {task}` run, not a `k2 rl` run")
-        cfg = RLConfig.from_dict(stored, source=str(saved))
-        changed = [
-            f"--{k.replace('_', '-')} {v} (the run has {getattr(cfg, k)})"
-            for k, v in overrides.items()
-            if k not in RESUME_MAY_CHANGE and k != "out" and getattr(cfg, k) != v
-        ]
-        if changed:
-            raise ValueError(
-                f"--resume {args.resume} continues the run as it was configured; refusing to change "
-                + "; ".join(changed)
-                + ". Start a new run (--out) to train with other settings."
-            )
-        overrides = {k: v for k, v in overrides.items() if k in RESUME_MAY_CHANGE}
-        return dataclasses.replace(cfg, stop_at=0, out=str(args.resume), **overrides)
+        from k2_stack.commands.training import resumed_config
+
+        return resumed_config(args.resume, RLConfig, overrides, RESUME_MAY_CHANGE)
     cfg = RLConfig.from_file(args.config) if args.config is not None else RLConfig()
     return dataclasses.replace(cfg, **overrides)
 

@@ -97,39 +97,42 @@ def build_config(args: argparse.Namespace, config_cls: type, extra: list[tuple[s
         overrides["activation_checkpointing"] = args.activation_checkpointing
     if args.attention is not None:
         overrides["attention"] = args.attention
-    task = config_cls.task
     if args.resume is not None:
-        saved = args.resume / "config.json"
-        if not saved.is_file():
-            raise ValueError(f"--resume {args.resume}: {saved} not found (not a k2 {task} run dir)")
-        stored = json.loads(saved.read_text())
-        stored_task = stored.pop("task", "pretrain")
-        if stored_task != task:
-            raise ValueError(
-                f"--resume {args.resume}: that is a `k2 {stored_task}` run; resume it with `k2 {stored_task}`"
-            )
-        cfg = config_cls.from_dict(stored, source=str(saved))
         if args.config is not None:
             raise ValueError("--resume continues the stored config; --config cannot be combined with it")
-        changed = [
-            f"--{k.replace('_', '-')} {v} (the run has {getattr(cfg, k)})"
-            for k, v in overrides.items()
-            if k not in RESUME_MAY_CHANGE and k != "out" and getattr(cfg, k) != v
-        ]
-        if changed:
-            raise ValueError(
-                f"--resume {args.resume} continues the run as it was configured; refusing to change "
-                + "; ".join(changed)
-                + ". Start a new run (--out) to train with other settings."
-            )
-        overrides = {k: v for k, v in overrides.items() if k in RESUME_MAY_CHANGE}
-        overrides["out"] = str(args.resume)
-        cfg = dataclasses.replace(cfg, stop_at=0)
-    elif args.config is not None:
-        cfg = config_cls.from_file(args.config)
-    else:
-        cfg = config_cls()
+        return resumed_config(args.resume, config_cls, overrides, RESUME_MAY_CHANGE)
+    cfg = config_cls.from_file(args.config) if args.config is not None else config_cls()
     return dataclasses.replace(cfg, **overrides)
+
+
+def resumed_config(run_dir: Path, config_cls: type, overrides: dict[str, Any], may_change: set[str]) -> Any:
+    """The stored config of the run in `run_dir`, for --resume. A flag that would change it is
+    refused by name (a changed --steps would restart the schedule, a changed --lr would silently
+    make another run); only the `may_change` ones (threads, stop point...) are applied."""
+    task = config_cls.task
+    saved = run_dir / "config.json"
+    if not saved.is_file():
+        raise ValueError(f"--resume {run_dir}: {saved} not found (not a k2 {task} run dir)")
+    stored = json.loads(saved.read_text())
+    stored_task = stored.pop("task", "pretrain")
+    if stored_task != task:
+        raise ValueError(
+            f"--resume {run_dir}: that is a `k2 {stored_task}` run; resume it with `k2 {stored_task}`"
+        )
+    cfg = config_cls.from_dict(stored, source=str(saved))
+    changed = [
+        f"--{k.replace('_', '-')} {v} (the run has {getattr(cfg, k)})"
+        for k, v in overrides.items()
+        if k not in may_change and k != "out" and getattr(cfg, k) != v
+    ]
+    if changed:
+        raise ValueError(
+            f"--resume {run_dir} continues the run as it was configured; refusing to change "
+            + "; ".join(changed)
+            + ". Start a new run (--out) to train with other settings."
+        )
+    kept = {k: v for k, v in overrides.items() if k in may_change}
+    return dataclasses.replace(cfg, stop_at=0, out=str(run_dir), **kept)
 
 
 class RichProgress:

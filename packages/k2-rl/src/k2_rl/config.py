@@ -6,18 +6,17 @@ threshold, `seed`, ...); the K1.5 objective's own tau is `rl_tau`.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from k2_train.config import RunConfig
 
 LOSSES = ("k15", "grpo")
 ROLLOUTS = ("process", "inprocess")
 
 
 @dataclass
-class RLConfig:
+class RLConfig(RunConfig):
     # policy: start from an SFT run dir or an HF-format dir; None = a random init of `preset`
     init: str | None = None
     preset: str = "tiny"
@@ -108,36 +107,6 @@ class RLConfig:
     @property
     def steps(self) -> int:
         return self.iterations * self.updates_per_iteration
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], source: str = "config") -> RLConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(
-                f"{source}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-            )
-        return cls(**d)
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> RLConfig:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"rl config file {p} not found")
-        text = p.read_text()
-        try:
-            if p.suffix == ".toml":
-                import tomllib
-
-                d = tomllib.loads(text)
-            else:
-                d = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"{p}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from e
-        return cls.from_dict(d.get("rl", d), source=str(p))
 
 
 __all__ = ["LOSSES", "RLConfig"]

@@ -32,9 +32,7 @@ import math
 import os
 import random
 import shutil
-import signal
 import statistics
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -541,29 +539,15 @@ class _Loop:
         self.metrics._f.flush()
 
     def _sigint_finishes_iteration(self):
-        import contextlib
+        from k2_train.trainer import finish_then_stop_on_sigint
 
-        @contextlib.contextmanager
-        def ctx():
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
+        def first() -> None:
+            self.interrupted = True
+            self.log(
+                "interrupt: finishing this iteration, then saving the train state (Ctrl-C again to abort)"
+            )
 
-            def handler(signum, frame):
-                if self.interrupted:
-                    raise KeyboardInterrupt
-                self.interrupted = True
-                self.log(
-                    "interrupt: finishing this iteration, then saving the train state (Ctrl-C again to abort)"
-                )
-
-            previous = signal.signal(signal.SIGINT, handler)
-            try:
-                yield
-            finally:
-                signal.signal(signal.SIGINT, previous)
-
-        return ctx()
+        return finish_then_stop_on_sigint(first, lambda: self.interrupted)
 
     def _result(self) -> RLResult:
         from k2_train.metrics import read_metrics

@@ -13,8 +13,46 @@ OPTIMIZERS = ("muonclip", "muon", "adamw")
 PACKINGS = ("stream", "whole")
 
 
+class RunConfig:
+    """What every run config shares (a dataclass with a class attribute `task`): `to_dict`, and
+    `from_dict` / `from_file` (JSON or TOML, optionally under a `[task]` table) that name unknown
+    fields and the file. k2-rl's RLConfig uses it too."""
+
+    task = "run"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config"):
+        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(
+                f"{source}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**d)
+
+    @classmethod
+    def from_file(cls, path: str | Path):
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"{cls.task} config file {p} not found")
+        text = p.read_text()
+        try:
+            if p.suffix == ".toml":
+                import tomllib
+
+                d = tomllib.loads(text)
+            else:
+                d = json.loads(text)
+        except ValueError as e:  # json.JSONDecodeError and tomllib.TOMLDecodeError are ValueErrors
+            raise ValueError(f"{p}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from e
+        return cls.from_dict(d.get(cls.task, d), source=str(p))
+
+
 @dataclass
-class PretrainConfig:
+class PretrainConfig(RunConfig):
     # model
     preset: str = "tiny"
     model_overrides: dict[str, Any] = field(default_factory=dict)
@@ -113,37 +151,6 @@ class PretrainConfig:
             stop_at=self.stop_at,
             log_post_clip_logit=self.log_post_clip_logit,
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], source: str = "config") -> PretrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(
-                f"{source}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-            )
-        return cls(**d)
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> PretrainConfig:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"{cls.task} config file {p} not found")
-        text = p.read_text()
-        try:
-            if p.suffix == ".toml":
-                import tomllib  # Python >= 3.11
-
-                d = tomllib.loads(text)
-            else:
-                d = json.loads(text)
-        except ValueError as e:  # json.JSONDecodeError and tomllib.TOMLDecodeError are ValueErrors
-            raise ValueError(f"{p}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from e
-        d = d.get(cls.task, d)
-        return cls.from_dict(d, source=str(p))
 
 
 @dataclass

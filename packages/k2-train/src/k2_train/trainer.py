@@ -293,26 +293,36 @@ class Trainer:
             cb.on_fit_end(self, result)
         return result
 
-    @contextlib.contextmanager
+    def _on_interrupt(self) -> None:
+        self._interrupted = True
+        for cb in self.callbacks if self.info.is_main else []:
+            notify = getattr(cb, "on_interrupt", None)
+            if notify is not None:
+                notify(self)
+
     def _sigint_finishes_step(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def on_sigint(signum, frame):
-            if self._interrupted:
-                raise KeyboardInterrupt
-            self._interrupted = True
-            for cb in self.callbacks if self.info.is_main else []:
-                notify = getattr(cb, "on_interrupt", None)
-                if notify is not None:
-                    notify(self)
-
-        previous = signal.signal(signal.SIGINT, on_sigint)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        return finish_then_stop_on_sigint(self._on_interrupt, lambda: self._interrupted)
 
 
-__all__ = ["FitResult", "Trainer", "TrainerConfig", "expert_maxvio"]
+@contextlib.contextmanager
+def finish_then_stop_on_sigint(on_first: Callable[[], None], already: Callable[[], bool]):
+    """While active (main thread only), the first Ctrl-C calls `on_first()` (the loop then finishes
+    its unit of work, saves and stops); a second one, once `already()` says so, aborts with
+    KeyboardInterrupt. The previous handler is restored on exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigint(signum, frame):
+        if already():
+            raise KeyboardInterrupt
+        on_first()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+__all__ = ["FitResult", "Trainer", "TrainerConfig", "expert_maxvio", "finish_then_stop_on_sigint"]
