@@ -98,6 +98,7 @@ def evaluate(url: str, heldout: list[dict], max_tokens: int, workers: int = 8) -
     t0 = time.perf_counter()
     with ThreadPoolExecutor(workers) as pool:
         results = list(pool.map(one, heldout))
+
     def right_tool(rec: dict, msg: dict) -> bool:  # the call's name alone (or no call), arguments aside
         calls = msg.get("tool_calls") or []
         if rec["reference"] is None:
@@ -110,7 +111,8 @@ def evaluate(url: str, heldout: list[dict], max_tokens: int, workers: int = 8) -
         by_kind.setdefault(kind, []).append(ok)
     return {
         "accuracy": sum(ok for ok, _ in results) / len(results),
-        "tool_name_accuracy": sum(right_tool(rec, msg) for rec, (_, msg) in zip(heldout, results)) / len(results),
+        "tool_name_accuracy": sum(right_tool(rec, msg) for rec, (_, msg) in zip(heldout, results))
+        / len(results),
         "by_kind": {k: sum(v) / len(v) for k, v in sorted(by_kind.items())},
         "n": len(results),
         "seconds": time.perf_counter() - t0,
