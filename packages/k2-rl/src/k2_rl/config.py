@@ -49,7 +49,8 @@ class RLConfig(RunConfig):
     updates_per_iteration: int = 1
     micro_prompts: int = 0  # prompts per micro-batch; 0 = all of them
     optimizer: str = "muonclip"
-    lr: float = 2e-4  # Muon updates have a fixed RMS: 2e-3 made held-out accuracy fall (30% -> 16%) in rl-demo
+    # Muon updates have a fixed RMS: 2e-3 made held-out accuracy fall (30% -> 16%) in rl-demo
+    lr: float = 2e-4
     adamw_lr: float = 5e-5
     weight_decay: float = 0.0
     tau: float = 30.0  # QK-Clip
