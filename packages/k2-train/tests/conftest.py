@@ -6,21 +6,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from k2_model.testing import SMALL_OVERRIDES
 
-SMALL = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "q_lora_rank": 32,
-    "kv_lora_rank": 32,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 16,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 32,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-}
+SMALL = SMALL_OVERRIDES  # K2's structure at test size (k2_model.testing)
 
 
 @pytest.fixture

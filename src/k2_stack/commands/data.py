@@ -142,9 +142,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_tokenize(args: argparse.Namespace) -> int:
-    from k2_data import BadRecordError, TokenizeConfig, tokenize_corpus
+    from k2_data import TokenizeConfig, tokenize_corpus
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
     cfg = TokenizeConfig(
@@ -162,26 +161,15 @@ def run_tokenize(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     t0 = time.perf_counter()
-    with Progress(
-        TextColumn("shards"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
-        task = progress.add_task("tokenize", total=None)
-
-        def on_shard(done: int, total: int, meta: dict) -> None:
-            progress.update(task, completed=done, total=total)
-
-        try:
-            manifest = tokenize_corpus(
-                args.inputs or None, args.out, tokenizer=args.tokenizer, config=cfg, progress=on_shard
-            )
-        except (BadRecordError, ValueError, FileNotFoundError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+    manifest = _with_shard_progress(
+        console,
+        "tokenize",
+        lambda on_shard: tokenize_corpus(
+            args.inputs or None, args.out, tokenizer=args.tokenizer, config=cfg, progress=on_shard
+        ),
+    )
+    if manifest is None:
+        return 1
     dt = time.perf_counter() - t0
     _print_skipped(manifest, limit=20)
     print(
@@ -193,6 +181,22 @@ def run_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_shard_progress(console, label: str, run) -> dict | None:
+    """`run(on_shard)` (a tokenize call) under a transient shards progress bar; its manifest, or
+    None after printing a one-line error for bad input."""
+    from k2_data import BadRecordError
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("shards"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(label, total=None)
+        try:
+            return run(lambda done, total, meta: progress.update(task, completed=done, total=total))
+        except (BadRecordError, ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return None
+
+
 def _print_skipped(manifest: dict, limit: int = 10) -> None:
     for rec in manifest["skipped"][:limit]:
         print(f"skipped {rec['file']}:{rec['where']}: {rec['reason']}", file=sys.stderr)
@@ -201,10 +205,8 @@ def _print_skipped(manifest: dict, limit: int = 10) -> None:
 
 
 def run_sft(args: argparse.Namespace) -> int:
-    from k2_data import BadRecordError
     from k2_data.sft import ChatTokenizeConfig, tokenize_chat
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     console = Console(stderr=True)
@@ -227,26 +229,15 @@ def run_sft(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     t0 = time.perf_counter()
-    with Progress(
-        TextColumn("shards"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
-        task = progress.add_task("sft", total=None)
-
-        def on_shard(done: int, total: int, meta: dict) -> None:
-            progress.update(task, completed=done, total=total)
-
-        try:
-            manifest = tokenize_chat(
-                args.inputs, args.out, tokenizer=args.tokenizer, config=cfg, progress=on_shard
-            )
-        except (BadRecordError, ValueError, FileNotFoundError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+    manifest = _with_shard_progress(
+        console,
+        "sft",
+        lambda on_shard: tokenize_chat(
+            args.inputs, args.out, tokenizer=args.tokenizer, config=cfg, progress=on_shard
+        ),
+    )
+    if manifest is None:
+        return 1
     dt = time.perf_counter() - t0
     _print_skipped(manifest)
     table = Table(title="k2 data sft", show_header=False)

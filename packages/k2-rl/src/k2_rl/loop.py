@@ -534,9 +534,7 @@ class _Loop:
 
     def _write(self, row: dict) -> None:
         row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-        assert self.metrics._f is not None
-        self.metrics._f.write(json.dumps(row) + "\n")
-        self.metrics._f.flush()
+        self.metrics.write(row)
 
     def _sigint_finishes_iteration(self):
         from k2_train.trainer import finish_then_stop_on_sigint

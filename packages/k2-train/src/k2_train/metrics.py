@@ -83,8 +83,13 @@ class JSONLMetrics(Callback):
     def on_step_end(self, trainer: Any, metrics: StepMetrics) -> None:
         if self._f is None:
             self.on_fit_start(trainer)
-        assert self._f is not None
-        self._f.write(json.dumps(metrics.row()) + "\n")
+        self.write(metrics.row())
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Append any row (a loop's own rows, e.g. RL's per-iteration ones); after on_fit_start."""
+        if self._f is None:
+            raise RuntimeError("JSONLMetrics.write before on_fit_start (which opens the file)")
+        self._f.write(json.dumps(row) + "\n")
         self._f.flush()
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
