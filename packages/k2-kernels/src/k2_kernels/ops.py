@@ -6,7 +6,9 @@ Each op is a `torch.library.custom_op` with a fake (meta) implementation, so it 
 `torch.compile`, and autograd where it has a backward. The real implementation dispatches CPU
 tensors to the C++ kernel and CUDA tensors to the CUDA kernel in `k2_kernels._C`; when that
 module (or its CUDA part) is missing it runs `k2_kernels.reference` and warns once per process.
-Semantics are defined by `k2_kernels.reference`.
+Semantics are defined by `k2_kernels.reference`. Consumers choosing between an op and torch's own
+path ask `preferred(op, device)`; `capabilities()` says what the install can run
+(`k2_kernels.dispatch`).
 
 Shape legend: T tokens, E routed experts, K experts per token (top-k), D hidden size,
 N = T * K permuted rows.
@@ -21,12 +23,14 @@ from torch import Tensor
 
 from k2_kernels import _launch, reference
 from k2_kernels.attention_ops import mla_attention
+from k2_kernels.dispatch import Capabilities, capabilities, preferred
 from k2_kernels.grouped_gemm_ops import grouped_mm, grouped_mm_wgrad, moe_swiglu_experts
 from k2_kernels.newton_schulz_ops import newton_schulz
 from k2_kernels.norm_ops import rms_norm
 from k2_kernels.rope_ops import mla_rope_pack
 
 __all__ = [
+    "Capabilities", "capabilities", "preferred",
     "grouped_mm", "grouped_mm_wgrad", "mla_attention", "mla_rope_pack", "rms_norm", "moe_swiglu_experts",
     "newton_schulz", "moe_permute", "moe_route", "moe_unpermute", "route_weight_backward",
 ]  # fmt: skip

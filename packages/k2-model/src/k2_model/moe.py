@@ -14,21 +14,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+# The kernels as torch ops (each runs the compiled kernel where one serves, else the reference);
+# the fused expert MLP is k2-kernels' grouped GEMM (compiled for fp32 CPU, torch._grouped_mm otherwise).
+from k2_kernels import ops as _kops
 from torch import Tensor, nn
 
 from k2_model.config import K2Config
-
-try:  # the compiled ops once k2-kernels ships them; the plain-PyTorch reference until then
-    from k2_kernels import ops as _kops
-except ImportError:  # pragma: no cover - depends on the k2-kernels build
-    from k2_kernels import reference as _kops
-
-from k2_kernels import _lib as _klib
-
-try:  # the fused expert MLP (k2-kernels' grouped GEMM: compiled for fp32 CPU, torch._grouped_mm otherwise)
-    from k2_kernels.grouped_gemm_ops import moe_swiglu_experts as _k2_swiglu_experts
-except ImportError:  # pragma: no cover - depends on the k2-kernels version
-    _k2_swiglu_experts = None
 
 
 class MLP(nn.Module):
@@ -84,13 +76,13 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
         # False: always the torch._grouped_mm composition (for comparisons; same results to fp32
         # rounding). Default: the k2-kernels expert kernel when it runs on OpenBLAS (k2-kernels[blas]).
-        self.use_k2_kernel = _klib.has_fast_blas()
+        self.use_k2_kernel = _kops.preferred("moe_swiglu_experts", "cpu")
 
     def forward(self, x_ND: Tensor, offsets_E: Tensor) -> Tensor:
-        if self.use_k2_kernel and _k2_swiglu_experts is not None:
+        if self.use_k2_kernel:
             # fp32 CPU: one kernel per direction runs each expert's three GEMMs and the activation
             # while its rows are in cache (experts in parallel); elsewhere the composition below.
-            return _k2_swiglu_experts(x_ND, self.gate_proj, self.up_proj, self.down_proj, offsets_E)
+            return _kops.moe_swiglu_experts(x_ND, self.gate_proj, self.up_proj, self.down_proj, offsets_E)
         # Separate gate and up GEMMs: concatenating the weights on the fly would copy all experts'
         # weights (and their gradients) every step, which costs more on CPU than the extra launch.
         gate_NI = torch._grouped_mm(x_ND, self.gate_proj.transpose(-1, -2), offs=offsets_E)

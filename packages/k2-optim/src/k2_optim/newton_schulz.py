@@ -30,14 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from k2_kernels.ops import newton_schulz as _ns_kernel
+from k2_kernels.ops import preferred as _kernel_preferred
 from torch import Tensor
-
-try:  # the compiled NS kernels (k2-kernels is a dependency; tolerate an install without it)
-    from k2_kernels.newton_schulz_ops import kernel_serves as _kernel_serves
-    from k2_kernels.newton_schulz_ops import newton_schulz as _ns_kernel
-except ImportError:  # pragma: no cover - depends on the install
-    _kernel_serves = None
-    _ns_kernel = None
 
 __all__ = [
     "KELLER_QUINTIC",
@@ -135,10 +130,8 @@ def newton_schulz(
     schedule = schedule or resolve_ns_schedule("keller", 5)
     out_dim, in_dim = G.shape[-2], G.shape[-1]
     X_BMN = G.reshape(-1, out_dim, in_dim).to(dtype)
-    if backend == "kernel" and _ns_kernel is None:
-        raise RuntimeError("newton_schulz(backend='kernel') needs k2-kernels (pip install k2-kernels)")
     use_kernel = backend == "kernel" or (
-        backend == "auto" and _kernel_serves is not None and _kernel_serves(X_BMN.device, X_BMN.dtype)
+        backend == "auto" and _kernel_preferred("newton_schulz", X_BMN.device, X_BMN.dtype)
     )
     transposed = out_dim > in_dim
     if transposed and not use_kernel:  # iterate on the smaller Gram matrix (the kernel does it itself)
