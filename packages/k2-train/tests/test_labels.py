@@ -88,3 +88,33 @@ def test_trainer_refuses_a_labels_batch(small):
     ids = torch.randint(0, 100, (2, 8))
     with pytest.raises(ValueError, match="shift_labels"):
         trainer.train_step({"input_ids": ids, "labels": ids})
+
+
+def test_logits_mask_gives_the_full_heads_rows_and_gradients(small):
+    """`logits_mask` (the head only at trained positions, what NextTokenLoss passes) changes the
+    compute, not the numbers: its logits are the full logits' rows, and the loss and gradients of
+    a masked SFT-like batch equal those through the full [B, S, N] logits."""
+    ids = torch.randint(0, 500, (2, 24))
+    labels = torch.full_like(ids, -100)
+    labels[0, 5:9] = ids[0, 6:10]  # a few trained tokens, as an SFT loss mask leaves
+    labels[1, 15:20] = ids[1, 16:21]
+    keep = labels != -100
+
+    full, part = _model(small), _model(small)
+    with torch.no_grad():
+        rows = part(ids, logits_mask=keep).logits
+        assert rows.shape == (int(keep.sum()), full.config.vocab_size)
+        torch.testing.assert_close(rows, full(ids).logits[keep], rtol=1e-5, atol=1e-5)
+
+    want = torch.nn.functional.cross_entropy(
+        full(ids).logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
+    got = NextTokenLoss()(part, {"input_ids": ids, "shift_labels": labels})
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    want.backward()
+    got.backward()
+    for (name, a), b in zip(full.named_parameters(), part.parameters()):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad(), pytest.raises(ValueError, match="logits_mask"):
+        part(ids, logits_mask=keep.long())

@@ -17,9 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from k2_kernels import _lib as _klib
 from k2_kernels import ops as _kops
-from k2_kernels.attention_ops import kernel_serves as _attention_kernel_serves
 from torch import Tensor, nn
 
 from k2_model.config import K2Config
@@ -37,7 +35,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            if x.device.type == "cpu" and _klib.has_cpu() and hasattr(_klib.compiled(), "rms_norm_fwd_cpu"):
+            if _kops.preferred("rms_norm", x.device):
                 # k2-kernels' fused forward and backward: torch's CPU backward is composite and
                 # took 15-30x its forward (~20 ms of a tiny-model training step)
                 return _kops.rms_norm(x, self.weight, self.eps)
@@ -226,7 +224,7 @@ class MLAttention(nn.Module):
 def fused_attention_available(device: torch.device, Dk: int, Dv: int) -> bool:
     """A compiled k2_kernels attention kernel serves this device and these head dims; on CPU also
     OpenBLAS (on the built-in GEMM the kernel is correct but slower than the masked paths)."""
-    return _attention_kernel_serves(device, Dk, Dv) and (device.type != "cpu" or _klib.has_fast_blas())
+    return _kops.preferred("mla_attention", device, head_dims=(Dk, Dv))
 
 
 @dataclass
@@ -476,6 +474,7 @@ class K2ForCausalLM(nn.Module):
         attention_mask: Tensor | None = None,
         document_ids: Tensor | None = None,
         shift_labels: Tensor | None = None,
+        logits_mask: Tensor | None = None,
     ) -> K2CausalLMOutput:
         """Logits [B, S, N]; with targets, the mean next-token cross-entropy (ignore_index -100).
 
@@ -485,6 +484,10 @@ class K2ForCausalLM(nn.Module):
         yields these, so `model(**batch).loss` is the training loss). Passing both is an error.
         `attention_mask` [B, S]: 1 = token, 0 = padding. `document_ids` [B, S]: packed sequences
         attend only within their document (pass position_ids that restart per document too).
+        `logits_mask` [B, S] bool: apply the head only where True; logits come back [K, N] for
+        the K kept positions in row-major order (and the loss, if any, is over those). SFT trains
+        ~5% of its tokens, and the vocab projection with its softmax is a third of a small
+        model's step: skipping the untrained positions saves it (HF's `logits_to_keep`, by mask).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
@@ -495,11 +498,23 @@ class K2ForCausalLM(nn.Module):
         for name, t in (("labels", labels), ("shift_labels", shift_labels)):
             if t is not None and t.shape != input_ids.shape:
                 raise ValueError(f"{name} shape {tuple(t.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        if logits_mask is not None and (
+            logits_mask.shape != input_ids.shape or logits_mask.dtype != torch.bool
+        ):
+            raise ValueError(
+                f"logits_mask must be a bool tensor shaped like input_ids {tuple(input_ids.shape)}, "
+                f"got {logits_mask.dtype} {tuple(logits_mask.shape)}"
+            )
         h_BSD = self.model(input_ids, position_ids, attention_mask, document_ids)
-        logits_BSN = self.lm_head(h_BSD)
         loss = None
         if labels is not None:  # position t predicts labels[t + 1]
             shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        if logits_mask is not None:
+            logits_KN = self.lm_head(h_BSD[logits_mask])
+            if shift_labels is not None:
+                loss = F.cross_entropy(logits_KN.float(), shift_labels[logits_mask], ignore_index=-100)
+            return K2CausalLMOutput(logits=logits_KN, loss=loss)
+        logits_BSN = self.lm_head(h_BSD)
         if shift_labels is not None:
             loss = F.cross_entropy(
                 logits_BSN.float().reshape(-1, logits_BSN.shape[-1]),
