@@ -43,8 +43,9 @@ def _spec(cfg: BenchConfig) -> dict:
     per_rank = cfg.size_mb * 2**20 / cfg.ranks
     spec: dict = {}
     for r in range(cfg.ranks):
-        # one tensor 1.5x the bucket (split across buckets), then tensor_mb-sized ones
-        big = int(1.5 * cfg.bucket_mb * 2**20) // 4
+        # one tensor 1.5x the bucket (split across buckets), then tensor_mb-sized ones; capped at
+        # the rank's share, so the total is --size-mb (with size/ranks <= bucket, no tensor spans)
+        big = int(min(1.5 * cfg.bucket_mb * 2**20, per_rank)) // 4
         cols = 1024
         spec[f"model.layers.{r}.embed.weight"] = ("float32", [max(1, big // cols), cols])
         left = per_rank - spec_nbytes(spec, r)
