@@ -21,10 +21,15 @@ Any failure (a receiver's error reply with its traceback, a receiver that discon
 wait that passes `timeout_s`, `req_func` raising) makes that rank vote "failed" at the next
 agreement point; every rank then stops, sends its receiver "abort", all-gathers the failure
 reports and raises the same `UpdateError`.
+
+`_Update` holds one update's state and runs these steps (`connect`, `broadcast`, `commit`, then
+`finish` or `abort`); a failure inside a step is recorded by `_Update._capturing`, never raised
+past a collective, so every rank issues the same collectives in the same order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -33,9 +38,11 @@ import time
 import traceback
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -120,6 +127,17 @@ def _collective_bound_s(cfg: ServerConfig, timeout_s: float) -> float:
     """Longest a rank may legitimately sit in one of the server's collectives: the other ranks
     may each wait on their receivers (`agree_every` acks, the commit, the abort) in between."""
     return (max(1, cfg.agree_every) + 2) * timeout_s + cfg.abort_timeout_s
+
+
+@dataclass
+class _Plan:
+    """The cached plan of one checkpoint: valid while `key` (every rank's registration uid, the
+    agreed bucket-size bound) stays the same."""
+
+    key: tuple[tuple[int, ...], int]
+    metas: list[TensorMeta]
+    bucket_bytes: int
+    buckets: list[Bucket]
 
 
 class _Failed(Exception):
@@ -264,6 +282,26 @@ class _ReceiverLink:
         self._check_monitor()
         return None
 
+    def abort(self, reason: str, wait_s: float | None) -> AbortedReply | None:
+        """Drop what is not yet delivered and send "abort", best effort. With `wait_s`, wait that
+        long for the receiver's "aborted", skipping late error replies for earlier buckets;
+        without (a dead or hung receiver cannot acknowledge), give the send 0.05 s. None when
+        no "aborted" came."""
+        self.outbox.clear()
+        with contextlib.suppress(_Failed):
+            self.send(AbortMsg(reason=reason), timeout_s=0.05 if wait_s is None else wait_s)
+            deadline = time.monotonic() + (wait_s or 0.0)
+            while wait_s is not None and time.monotonic() < deadline:
+                try:
+                    msg = self.recv("acknowledge the abort", timeout_s=max(0.0, deadline - time.monotonic()))
+                except _Failed as f:
+                    if f.failure.kind in ("timeout", "worker_died"):
+                        break
+                    continue  # a late error reply for an earlier bucket
+                if isinstance(msg, AbortedReply):
+                    return msg
+        return None
+
     def _decode(self, raw: bytes):
         try:
             msg = _WORKER_MSG.validate_json(raw)
@@ -325,7 +363,7 @@ class ParameterServer:
         self._buffer: SlotBuffer | None = None
         self._recv_arenas: list[SlotBuffer | None] = [None, None]
         self._live_arena: int | None = None
-        self._plan_cache: dict[str, tuple] = {}  # name -> ((uids, bucket bound), metas, bucket_bytes, plan)
+        self._plan_cache: dict[str, _Plan] = {}
 
     # ---- registration (local: no collectives) ----
 
@@ -395,7 +433,7 @@ class ParameterServer:
             seen[m.name] = m.owner
         return metas
 
-    def _plan(self, name: str) -> tuple[list[TensorMeta], int, list[Bucket]]:
+    def _plan(self, name: str) -> _Plan:
         """Metas, bucket size and plan for `name`, in one small all-gather when nothing changed.
 
         Every rank contributes (its registration's uid, its bucket-size bound); metas are
@@ -420,16 +458,16 @@ class ParameterServer:
             raise CheckpointNotFound(f"checkpoint {name!r} is not registered on rank(s) {missing}")
         bound = min(int(p[1]) for p in parts)
         cached = self._plan_cache.get(name)
-        if cached is not None and cached[0] == (uids, bound):
-            return cached[1], cached[2], cached[3]
+        if cached is not None and cached.key == (uids, bound):
+            return cached
         metas = self.gather_metas(name)
         per_owner: dict[int, int] = {}  # never allocate more than the largest owner's aligned total
         for m in metas:
             per_owner[m.owner] = per_owner.get(m.owner, 0) + (m.nbytes + ALIGN - 1) // ALIGN * ALIGN
         bucket_bytes = max(ALIGN, min(bound, max(per_owner.values(), default=ALIGN)) // ALIGN * ALIGN)
-        plan = plan_buckets(metas, bucket_bytes)
-        self._plan_cache[name] = ((uids, bound), metas, bucket_bytes, plan)
-        return metas, bucket_bytes, plan
+        plan = _Plan((uids, bound), metas, bucket_bytes, plan_buckets(metas, bucket_bytes))
+        self._plan_cache[name] = plan
+        return plan
 
     # ---- update ----
 
@@ -465,94 +503,14 @@ class ParameterServer:
         bad = sorted(r for r in receivers if not 0 <= r < self.world_size)
         if bad:
             raise ValueError(f"ranks={sorted(receivers)}: {bad} outside 0..{self.world_size - 1}")
-        t0 = time.perf_counter()
-        self._marks = [("start", t0)]
-        self._h2d_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
-        metas, bucket_bytes, plan = self._plan(name)
-        self._mark("plan")
-        ckpt = self._ckpts[name]
-        receiving = self.rank in receivers
-
-        link: _ReceiverLink | None = None
-        req: _ReqThread | None = None
-        failure: RankFailure | None = None
-        buf: SlotBuffer | None = None
-        zero_copy = receiving and self.device.type == "cpu" and cfg.cpu_receive_arena
-        try:  # a local failure (no memory, /dev/shm full) is voted on like any other
-            if zero_copy:
-                offsets, total = [], 0
-                for b in plan:  # bucket k at offsets[k]: a split tensor's chunks end up contiguous
-                    offsets.append(total)
-                    total += (b.nbytes + ALIGN - 1) // ALIGN * ALIGN
-                arena_idx = self._receive_arena(total)
-                buf = self._recv_arenas[arena_idx]
-            else:
-                offsets = [(k % cfg.num_slots) * bucket_bytes for k in range(len(plan))]
-                buf = self._slot_buffer(bucket_bytes)
-        except (OSError, RuntimeError) as e:
-            failure = RankFailure(
-                rank=self.rank,
-                kind="server_error",
-                traceback=traceback.format_exc(),
-                message=f"could not allocate the transfer buffer on {self.device}: {e}",
-            )
-
-        def alive() -> None:  # rank 0 also watches its req_func thread
-            if req is not None and req.error is not None:
-                raise _Failed(
-                    RankFailure(
-                        rank=self.rank, kind="req_func", message="req_func raised", traceback=req.error
-                    )
-                )
-
+        upd = _Update(self, name, timeout, receiving=self.rank in receivers)
         try:
-            if receiving:
-                path = os.path.join(cfg.socket_dir, f"k2ckpt-{uuid.uuid4().hex[:12]}-r{self.rank}.sock")
-                link = _ReceiverLink(self._zmq, f"ipc://{path}", self.rank, timeout, alive)
-            pairs = self._all_gather((self.device_id, link.address if link else None))
-            mapping = {dev: addr for dev, addr in pairs if addr is not None}
-            if self.rank == 0 or req_on_all_ranks:
-                req = _ReqThread(req_func, mapping)
-                req.start()
-            try:
-                if link is not None and buf is not None:
-                    link.post(
-                        BufferMsg(
-                            handle=buf.handle(),
-                            slot_bytes=bucket_bytes,
-                            num_slots=cfg.num_slots,
-                            checkpoint=name,
-                            num_buckets=len(plan),
-                            sources=[a.handle() for a in ckpt.arenas],
-                            zero_copy=zero_copy,
-                        )
-                    )
-                    if req is not None:
-                        # this rank called req_func: its own receiver's "ready" (or req_func's
-                        # error) is known before the first vote, which the other ranks reach
-                        # without waiting for theirs, so a req_func that reached no receiver
-                        # fails the update everywhere at once
-                        link.recv("report ready")
-                self._mark("connect")
-            except _Failed as f:
-                failure = failure or f.failure
-            failure, ok, committed = self._run_buckets(
-                plan, ckpt, buf, offsets, not zero_copy, link, alive, failure
-            )
-            if zero_copy and committed and link is not None and link.views_buffer:
-                # the receiver may now hold views of this arena (even when another rank's
-                # commit failed): never overwrite it. A receiver that copied (direct mode)
-                # may still view the arena of an earlier update, which stays protected
-                self._live_arena = arena_idx
-            elif zero_copy and committed is False:
-                self._drop_receive_arenas()  # a half-done commit may view either arena
-            if ok:
-                return self._finish(name, t0, plan, bucket_bytes, metas, req, timeout)
-            self._abort_and_raise(name, link, failure, cfg.abort_timeout_s)
-            raise AssertionError("unreachable")
+            upd.connect(req_func, req_on_all_ranks)
+            if upd.broadcast() and upd.commit():
+                return upd.finish()
+            upd.abort()
         finally:
-            if link is not None:
-                link.close()
+            upd.close()
 
     def _slot_buffer(self, bucket_bytes: int) -> SlotBuffer:
         """The transfer buffer, kept across updates: fresh memory would cost a page fault per
@@ -585,229 +543,6 @@ class ParameterServer:
             self._recv_arenas[use] = arena
         return use
 
-    def _run_buckets(
-        self,
-        plan: list[Bucket],
-        ckpt: HostCheckpoint,
-        buf: SlotBuffer | None,
-        offsets: list[int],
-        reuse_slots: bool,
-        link: _ReceiverLink | None,
-        alive: Callable[[], None],
-        failure: RankFailure | None,
-    ) -> tuple[RankFailure | None, bool, bool | None]:
-        """Broadcast every bucket into `buf` at `offsets[k]` (reused slots wait for the receiver's
-        ack of bucket k - num_slots), then two-phase commit. Returns (failure, ok, committed):
-        committed is None when this rank's receiver was not asked to commit, else whether it did."""
-        num_slots = self.config.num_slots
-        inflight: deque[int] = deque()
-        scratch: list[torch.Tensor] = []
-
-        def on_msg(msg: object) -> None:
-            if isinstance(msg, AckReply):
-                if not inflight or inflight[0] != msg.bucket:
-                    raise _Failed(
-                        RankFailure(
-                            rank=self.rank,
-                            kind="server_error",
-                            bucket=msg.bucket,
-                            message=f"ack for bucket {msg.bucket}, expected {list(inflight)[:1]}",
-                        )
-                    )
-                inflight.popleft()
-                if link is not None:
-                    link.last_acked = msg.bucket
-
-        def prepare(k: int, failed: bool) -> tuple[torch.Tensor, tuple[int, int] | None]:
-            """The bytes to broadcast for bucket k: the owner fills its place in `buf` (H2D on
-            CUDA), or on CPU broadcasts in place from its shared registration arena, which its
-            own receiver maps copy-on-write (so it can never write into the trainer's copy).
-            Once this rank failed it still takes part in the broadcasts until the next vote, but
-            into scratch memory: its receiver, late or hung, may still read the reused slots."""
-            bucket = plan[k]
-            if failed and reuse_slots:
-                if not scratch:
-                    scratch.append(
-                        torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8, device=self.device)
-                    )
-                slot = scratch[0][: bucket.nbytes]
-            else:
-                slot = buf.data[offsets[k] : offsets[k] + bucket.nbytes]
-            if self.rank != bucket.owner:
-                return slot, None
-            in_place = ckpt.in_place_source(bucket.items)
-            if in_place is not None:
-                arena, base = in_place
-                return ckpt.arenas[arena].data[base : base + bucket.nbytes], in_place
-            timed = self.config.time_h2d and slot.is_cuda
-            if timed:  # CUDA events on the copy stream: the pipeline's own H2D rate, no extra sync
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            for it in bucket.items:
-                src = ckpt.bytes_by_name[it.name][it.chunk_start : it.chunk_start + it.nbytes]
-                slot[it.buf_offset : it.buf_offset + it.nbytes].copy_(src, non_blocking=True)
-            if timed:
-                end.record()
-                self._h2d_events.append((start, end, bucket.nbytes))
-            return slot, None
-
-        prepared: tuple[torch.Tensor, tuple[int, int] | None] | None = None
-        for k, bucket in enumerate(plan):
-            if failure is None:
-                try:
-                    if link is not None:
-                        link.bucket = k
-                        while (msg := link.try_recv()) is not None:
-                            on_msg(msg)
-                        while reuse_slots and inflight and inflight[0] <= k - num_slots:  # slot must be free
-                            on_msg(link.recv(f"ack bucket {inflight[0]}"))
-                    alive()
-                except _Failed as f:
-                    failure = f.failure
-            if k % max(1, self.config.agree_every) == 0 and not self._agree(failure is not None):
-                return failure, False, None
-            slot, in_place = prepared if prepared is not None else prepare(k, failure is not None)
-            prepared = None
-            work = dist.broadcast(slot, src=bucket.owner, group=self.group, async_op=True)
-            if not reuse_slots and k + 1 < len(plan) and plan[k + 1].owner == self.rank:
-                prepared = prepare(
-                    k + 1, failure is not None
-                )  # the host copy of bucket k+1 overlaps the broadcast of k
-            work.wait()
-            if slot.is_cuda:  # the receiver reads it from another process/stream
-                torch.cuda.current_stream(slot.device).synchronize()
-            if link is not None and failure is None:
-                try:
-                    link.post(
-                        BucketMsg.of(
-                            k,
-                            offsets[k],
-                            bucket.items,
-                            source=in_place[0] if in_place else None,
-                            source_offset=in_place[1] if in_place else 0,
-                        )
-                    )
-                    inflight.append(k)
-                except _Failed as f:
-                    failure = f.failure
-        self._mark("broadcast")
-        # phase 1: every receiver has staged (or, in direct mode, loaded) every bucket
-        if failure is None and link is not None:
-            try:
-                link.bucket = None
-                while inflight:
-                    on_msg(link.recv(f"ack bucket {inflight[0]}"))
-            except _Failed as f:
-                failure = f.failure
-        if failure is None:
-            try:
-                alive()
-            except _Failed as f:
-                failure = f.failure
-        if not self._agree(failure is not None):
-            return failure, False, None
-        self._mark("last_acks")
-        # phase 2: commit (apply staged tensors, run the post-load hook)
-        committed: bool | None = None
-        if link is not None:
-            committed = False
-            try:
-                link.send(CommitMsg())
-                msg = link.recv("finish the commit")
-                if not isinstance(msg, DoneReply):
-                    raise _Failed(
-                        RankFailure(
-                            rank=self.rank,
-                            kind="server_error",
-                            message=f"expected 'done' after commit, got {msg.op!r}",
-                        )
-                    )
-                committed = True
-                link.views_buffer = msg.views_buffer
-            except _Failed as f:
-                failure = f.failure
-                failure.kind = "commit_" + failure.kind
-        ok = self._agree(failure is not None)
-        self._mark("commit")
-        return failure, ok, committed
-
-    def _mark(self, phase: str) -> None:
-        self._marks.append((phase, time.perf_counter()))
-
-    def _finish(
-        self,
-        name: str,
-        t0: float,
-        plan: list[Bucket],
-        bucket_bytes: int,
-        metas: list[TensorMeta],
-        req: _ReqThread | None,
-        timeout: float,
-    ) -> UpdateStats:
-        if req is not None:
-            req.join(timeout)
-            if req.error is not None:
-                log.warning("req_func raised after a successful update of %r:\n%s", name, req.error)
-        stats = UpdateStats(
-            checkpoint=name,
-            seconds=time.perf_counter() - t0,
-            nbytes=sum(m.nbytes for m in metas),
-            num_buckets=len(plan),
-            bucket_bytes=bucket_bytes,
-            phases={b[0]: b[1] - a[1] for a, b in zip(self._marks, self._marks[1:])},
-        )
-        if self._h2d_events:  # every event has completed: the stream was synchronised per bucket
-            stats.h2d_s = sum(a.elapsed_time(b) for a, b, _ in self._h2d_events) / 1e3
-            stats.h2d_bytes = sum(n for _, _, n in self._h2d_events)
-            self._h2d_events = []
-        self.last_stats = stats
-        return stats
-
-    def _abort_and_raise(
-        self, name: str, link: _ReceiverLink | None, failure: RankFailure | None, abort_timeout_s: float
-    ) -> None:
-        # what this rank's receiver applied: nothing when staged; when direct, what its error reply
-        # said, or unknown (None) until it answers the abort; unknown for a commit that failed
-        applied: list[str] | None = [] if link is None or link.staged else link.error_applied
-        if link is not None and failure is not None and failure.kind.startswith("commit_"):
-            applied = None
-        if link is not None:
-            link.outbox.clear()  # messages not yet delivered are moot: the abort goes next
-        # a dead or hung receiver cannot acknowledge: tell it (best effort) but do not wait
-        unresponsive = failure is not None and failure.kind.removeprefix("commit_") in (
-            "worker_died",
-            "timeout",
-        )
-        if unresponsive and link is not None:
-            try:
-                link.send(AbortMsg(reason=failure.message), timeout_s=0.05)
-            except _Failed:
-                pass
-        elif link is not None:
-            reason = "another rank failed" if failure is None else f"rank {self.rank}: {failure.message}"
-            try:
-                link.send(AbortMsg(reason=reason), timeout_s=abort_timeout_s)
-                deadline = time.monotonic() + abort_timeout_s
-                while time.monotonic() < deadline:
-                    try:
-                        msg = link.recv(
-                            "acknowledge the abort", timeout_s=max(0.0, deadline - time.monotonic())
-                        )
-                    except _Failed as f:
-                        if f.failure.kind in ("timeout", "worker_died"):
-                            break
-                        continue  # a late error reply for an earlier bucket
-                    if isinstance(msg, AbortedReply):
-                        applied = msg.applied
-                        break
-            except _Failed:
-                pass  # a dead or hung receiver cannot acknowledge; its failure is already recorded
-        reports = self._all_gather((failure, applied))
-        failures = [f for f, _ in reports if f is not None]
-        if not failures:
-            failures = [RankFailure(rank=self.rank, kind="server_error", message="update aborted")]
-        raise UpdateError(name, failures, {r: a for r, (_, a) in enumerate(reports) if a != []})
-
     def close(self) -> None:
         """Free host memory and the transfer buffer (their /dev/shm files are removed)."""
         for ckpt in self._ckpts.values():
@@ -818,6 +553,301 @@ class ParameterServer:
             self._buffer = None
         self._drop_receive_arenas()
         self._zmq.term()
+
+
+class _Update:
+    """One `ParameterServer.update` on this rank: its state (plan, receiver link, transfer buffer
+    and offsets, `req_func` thread, phase marks, H2D events, the first failure) and its steps in
+    protocol order: `connect`, `broadcast`, `commit`, then `finish` or `abort`.
+
+    Every step runs on every rank, and each rank issues the same collectives in the same order
+    whatever failed: a failure inside a step is recorded (`_capturing`), not raised, and acted on
+    at the next vote (`ParameterServer._agree`), which every rank reaches."""
+
+    def __init__(self, server: ParameterServer, name: str, timeout_s: float, receiving: bool):
+        self.ps, self.name, self.timeout_s, self.receiving = server, name, timeout_s, receiving
+        self.t0 = time.perf_counter()
+        self.marks: list[tuple[str, float]] = [("start", self.t0)]
+        self.h2d_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+        self.failure: RankFailure | None = None  # this rank's first failure
+        self.link: _ReceiverLink | None = None
+        self.req: _ReqThread | None = None
+        self.plan = server._plan(name)  # collective: raises the same error on every rank
+        self._mark("plan")
+        self.ckpt = server._ckpts[name]
+        # CPU receiving ranks receive into a model-sized arena (bucket k at offsets[k], never
+        # reused within the update); every other rank reuses `num_slots` bucket slots
+        self.zero_copy = receiving and server.device.type == "cpu" and server.config.cpu_receive_arena
+        self.reuse_slots = not self.zero_copy
+        self.buf: SlotBuffer | None = None
+        self.offsets: list[int] = []
+        self.arena_idx: int | None = None
+        self.inflight: deque[int] = deque()  # buckets posted to the receiver and not yet acked
+        self.scratch: torch.Tensor | None = None  # broadcast target once this rank failed
+        self.committed: bool | None = None  # None: this rank's receiver was not asked to commit
+        self._allocate()
+
+    # ---- failures ----
+
+    @contextmanager
+    def _capturing(self, prefix: str = "") -> Iterator[None]:
+        """Record the first `_Failed` raised inside as this rank's failure (its kind prefixed
+        with `prefix`) and go on: the ranks act on it together at the next vote."""
+        try:
+            yield
+        except _Failed as f:
+            if self.failure is None:
+                f.failure.kind = prefix + f.failure.kind
+                self.failure = f.failure
+
+    def _fail(self, kind: str, message: str, **kw) -> _Failed:
+        return _Failed(RankFailure(rank=self.ps.rank, kind=kind, message=message, **kw))
+
+    def alive(self) -> None:
+        """Raise the `req_func` thread's error (on the ranks that called it) as this rank's."""
+        if self.req is not None and self.req.error is not None:
+            raise self._fail("req_func", "req_func raised", traceback=self.req.error)
+
+    def _vote(self) -> bool:
+        """The vote: True when no rank failed."""
+        return self.ps._agree(self.failure is not None)
+
+    def _mark(self, phase: str) -> None:
+        self.marks.append((phase, time.perf_counter()))
+
+    # ---- steps ----
+
+    def _allocate(self) -> None:
+        """The transfer buffer and bucket k's offset in it; a local failure (no memory, /dev/shm
+        full) is voted on like any other."""
+        ps, cfg, plan = self.ps, self.ps.config, self.plan
+        try:
+            if self.zero_copy:
+                total = 0
+                for b in plan.buckets:  # a split tensor's chunks end up contiguous
+                    self.offsets.append(total)
+                    total += (b.nbytes + ALIGN - 1) // ALIGN * ALIGN
+                self.arena_idx = ps._receive_arena(total)
+                self.buf = ps._recv_arenas[self.arena_idx]
+            else:
+                self.offsets = [(k % cfg.num_slots) * plan.bucket_bytes for k in range(len(plan.buckets))]
+                self.buf = ps._slot_buffer(plan.bucket_bytes)
+        except (OSError, RuntimeError) as e:
+            self.failure = RankFailure(
+                rank=ps.rank,
+                kind="server_error",
+                traceback=traceback.format_exc(),
+                message=f"could not allocate the transfer buffer on {ps.device}: {e}",
+            )
+
+    def connect(self, req_func: ReqFunc, req_on_all_ranks: bool) -> None:
+        """Bind the receiver's socket, all-gather the addresses, start `req_func` and queue the
+        buffer handle; a rank that called `req_func` waits for its own receiver's "ready"."""
+        ps, cfg, plan = self.ps, self.ps.config, self.plan
+        if self.receiving:
+            path = os.path.join(cfg.socket_dir, f"k2ckpt-{uuid.uuid4().hex[:12]}-r{ps.rank}.sock")
+            self.link = _ReceiverLink(ps._zmq, f"ipc://{path}", ps.rank, self.timeout_s, self.alive)
+        link = self.link
+        pairs = ps._all_gather((ps.device_id, link.address if link else None))
+        mapping = {dev: addr for dev, addr in pairs if addr is not None}
+        if ps.rank == 0 or req_on_all_ranks:
+            self.req = _ReqThread(req_func, mapping)
+            self.req.start()
+        with self._capturing():
+            if link is not None and self.buf is not None:
+                link.post(
+                    BufferMsg(
+                        handle=self.buf.handle(),
+                        slot_bytes=plan.bucket_bytes,
+                        num_slots=cfg.num_slots,
+                        checkpoint=self.name,
+                        num_buckets=len(plan.buckets),
+                        sources=[a.handle() for a in self.ckpt.arenas],
+                        zero_copy=self.zero_copy,
+                    )
+                )
+                if self.req is not None:
+                    # this rank called req_func: its own receiver's "ready" (or req_func's
+                    # error) is known before the first vote, which the other ranks reach
+                    # without waiting for theirs, so a req_func that reached no receiver
+                    # fails the update everywhere at once
+                    link.recv("report ready")
+            self._mark("connect")
+
+    def broadcast(self) -> bool:
+        """Broadcast every bucket into the buffer at `offsets[k]` (a reused slot first waits for
+        the receiver's ack of bucket k - num_slots), voting every `agree_every` buckets, then
+        wait for the last acks and vote. False when a rank failed."""
+        ps, link, buckets = self.ps, self.link, self.plan.buckets
+        num_slots, every = ps.config.num_slots, max(1, ps.config.agree_every)
+        prepared: tuple[torch.Tensor, tuple[int, int] | None] | None = None
+        for k, bucket in enumerate(buckets):
+            if self.failure is None:
+                with self._capturing():
+                    if link is not None:
+                        link.bucket = k
+                        while (msg := link.try_recv()) is not None:
+                            self._on_msg(msg)
+                        while self.reuse_slots and self.inflight and self.inflight[0] <= k - num_slots:
+                            self._on_msg(link.recv(f"ack bucket {self.inflight[0]}"))  # slot must be free
+                    self.alive()
+            if k % every == 0 and not self._vote():
+                return False
+            slot, in_place = prepared if prepared is not None else self._prepare(k)
+            prepared = None
+            work = dist.broadcast(slot, src=bucket.owner, group=ps.group, async_op=True)
+            if not self.reuse_slots and k + 1 < len(buckets) and buckets[k + 1].owner == ps.rank:
+                prepared = self._prepare(k + 1)  # the host copy of bucket k+1 overlaps the broadcast of k
+            work.wait()
+            if slot.is_cuda:  # the receiver reads it from another process/stream
+                torch.cuda.current_stream(slot.device).synchronize()
+            if link is not None and self.failure is None:
+                with self._capturing():
+                    link.post(
+                        BucketMsg.of(
+                            k,
+                            self.offsets[k],
+                            bucket.items,
+                            source=in_place[0] if in_place else None,
+                            source_offset=in_place[1] if in_place else 0,
+                        )
+                    )
+                    self.inflight.append(k)
+        self._mark("broadcast")
+        # phase 1 of the commit: every receiver has staged (or, in direct mode, loaded) every bucket
+        if self.failure is None:
+            with self._capturing():
+                if link is not None:
+                    link.bucket = None
+                    while self.inflight:
+                        self._on_msg(link.recv(f"ack bucket {self.inflight[0]}"))
+                self.alive()
+        if not self._vote():
+            return False
+        self._mark("last_acks")
+        return True
+
+    def commit(self) -> bool:
+        """Phase 2: the receiver applies its staged tensors and runs its post-load hook (a
+        failure here is kind `commit_*`); then protect the receive arena its weights may view.
+        False when a rank failed."""
+        link = self.link
+        if link is not None:
+            self.committed = False
+            with self._capturing(prefix="commit_"):
+                link.send(CommitMsg())
+                msg = link.recv("finish the commit")
+                if not isinstance(msg, DoneReply):
+                    raise self._fail("server_error", f"expected 'done' after commit, got {msg.op!r}")
+                self.committed = True
+                link.views_buffer = msg.views_buffer
+        ok = self._vote()
+        self._mark("commit")
+        if self.zero_copy and self.committed and link is not None and link.views_buffer:
+            # the receiver may now hold views of this arena (even when another rank's
+            # commit failed): never overwrite it. A receiver that copied (direct mode)
+            # may still view the arena of an earlier update, which stays protected
+            self.ps._live_arena = self.arena_idx
+        elif self.zero_copy and self.committed is False:
+            self.ps._drop_receive_arenas()  # a half-done commit may view either arena
+        return ok
+
+    def finish(self) -> UpdateStats:
+        """The update's stats (also kept as `ParameterServer.last_stats`)."""
+        if self.req is not None:
+            self.req.join(self.timeout_s)
+            if self.req.error is not None:
+                log.warning("req_func raised after a successful update of %r:\n%s", self.name, self.req.error)
+        plan = self.plan
+        stats = UpdateStats(
+            checkpoint=self.name,
+            seconds=time.perf_counter() - self.t0,
+            nbytes=sum(m.nbytes for m in plan.metas),
+            num_buckets=len(plan.buckets),
+            bucket_bytes=plan.bucket_bytes,
+            phases={b[0]: b[1] - a[1] for a, b in zip(self.marks, self.marks[1:])},
+        )
+        if self.h2d_events:  # every event has completed: the stream was synchronised per bucket
+            stats.h2d_s = sum(a.elapsed_time(b) for a, b, _ in self.h2d_events) / 1e3
+            stats.h2d_bytes = sum(n for _, _, n in self.h2d_events)
+        self.ps.last_stats = stats
+        return stats
+
+    def abort(self) -> NoReturn:
+        """Tell this rank's receiver to drop the update, all-gather every rank's failure report
+        and raise the same `UpdateError` on every rank."""
+        ps, link, failure = self.ps, self.link, self.failure
+        # what this rank's receiver applied: nothing when staged; when direct, what its error reply
+        # said, or unknown (None) until it answers the abort; unknown for a commit that failed
+        applied: list[str] | None = [] if link is None or link.staged else link.error_applied
+        if link is not None and failure is not None and failure.kind.startswith("commit_"):
+            applied = None
+        if link is not None:
+            if failure is not None and failure.kind.removeprefix("commit_") in ("worker_died", "timeout"):
+                link.abort(failure.message, wait_s=None)  # dead or hung: tell it, do not wait
+            else:
+                reason = "another rank failed" if failure is None else f"rank {ps.rank}: {failure.message}"
+                reply = link.abort(reason, wait_s=ps.config.abort_timeout_s)
+                if reply is not None:
+                    applied = reply.applied
+        reports = ps._all_gather((failure, applied))
+        failures = [f for f, _ in reports if f is not None]
+        if not failures:
+            failures = [RankFailure(rank=ps.rank, kind="server_error", message="update aborted")]
+        raise UpdateError(self.name, failures, {r: a for r, (_, a) in enumerate(reports) if a != []})
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+
+    # ---- per bucket ----
+
+    def _on_msg(self, msg: object) -> None:
+        if isinstance(msg, AckReply):
+            if not self.inflight or self.inflight[0] != msg.bucket:
+                raise self._fail(
+                    "server_error",
+                    f"ack for bucket {msg.bucket}, expected {list(self.inflight)[:1]}",
+                    bucket=msg.bucket,
+                )
+            self.inflight.popleft()
+            if self.link is not None:
+                self.link.last_acked = msg.bucket
+
+    def _prepare(self, k: int) -> tuple[torch.Tensor, tuple[int, int] | None]:
+        """The bytes to broadcast for bucket k: the owner fills its place in the buffer (H2D on
+        CUDA), or on CPU broadcasts in place from its shared registration arena, which its
+        own receiver maps copy-on-write (so it can never write into the trainer's copy).
+        Once this rank failed it still takes part in the broadcasts until the next vote, but
+        into scratch memory: its receiver, late or hung, may still read the reused slots."""
+        ps, buckets = self.ps, self.plan.buckets
+        bucket = buckets[k]
+        if self.failure is not None and self.reuse_slots:
+            if self.scratch is None:
+                self.scratch = torch.empty(
+                    max(b.nbytes for b in buckets), dtype=torch.uint8, device=ps.device
+                )
+            slot = self.scratch[: bucket.nbytes]
+        else:
+            assert self.buf is not None  # allocated, or this rank failed and the first vote stopped it
+            slot = self.buf.data[self.offsets[k] : self.offsets[k] + bucket.nbytes]
+        if ps.rank != bucket.owner:
+            return slot, None
+        in_place = self.ckpt.in_place_source(bucket.items)
+        if in_place is not None:
+            arena, base = in_place
+            return self.ckpt.arenas[arena].data[base : base + bucket.nbytes], in_place
+        timed = ps.config.time_h2d and slot.is_cuda
+        if timed:  # CUDA events on the copy stream: the pipeline's own H2D rate, no extra sync
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        for it in bucket.items:
+            src = self.ckpt.bytes_by_name[it.name][it.chunk_start : it.chunk_start + it.nbytes]
+            slot[it.buf_offset : it.buf_offset + it.nbytes].copy_(src, non_blocking=True)
+        if timed:
+            end.record()
+            self.h2d_events.append((start, end, bucket.nbytes))
+        return slot, None
 
 
 __all__ = ["ParameterServer", "ServerConfig", "UpdateStats", "CkptError"]
