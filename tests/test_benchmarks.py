@@ -36,3 +36,14 @@ def test_attention_benchmark_prints_its_table():
     assert len(rows) == 2
     cells = rows[1].strip("|").split("|")
     assert len(cells) == 11 and all(c.strip() not in ("", "-") for c in cells)  # memory measured too
+
+
+def test_rephrase_client_benchmark_prints_its_table():
+    out = run_bench(
+        "rephrase.py", "--concurrency", "4", "--requests", "20", "--sequential", "3", "--latency-ms", "50"
+    )
+    assert "machine: " in out
+    rows = [
+        line for line in out.splitlines() if line.startswith(("| sequential loop", "| AsyncHTTPChatClient"))
+    ]
+    assert len(rows) == 2, out

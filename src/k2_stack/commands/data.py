@@ -7,6 +7,7 @@ k2 data inspect DIR [--seq-len 256] [--show 1]
 k2 data sft INPUT... --out DIR [--tokenizer PATH] [--workers N] [--on-error skip|fail]
             [--messages-field messages] [--tools-field tools] [--format arrow|parquet] [--shard-mb 16]
 k2 data tooluse-example --out DIR [--n-train 2000] [--n-heldout 200] [--seed 0]
+k2 data rephrase [INPUT ...] --out DIR --base-url URL --model NAME [--rounds N] [--mode knowledge|math]
 """
 
 from __future__ import annotations
@@ -139,6 +140,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ex.add_argument("--n-heldout", type=int, default=200, help="held-out prompts")
     ex.add_argument("--seed", type=int, default=0, help="generator seed (same seed, same bytes)")
     ex.set_defaults(func=run_tooluse_example)
+
+    _register_rephrase(sub)
+
+
+def _register_rephrase(sub: argparse._SubParsersAction) -> None:
+    """`k2 data rephrase`: the arguments and the run live in k2_data.rephrase.cli (thin entrypoint)."""
+    from k2_data.rephrase.cli import DESCRIPTION, add_arguments
+
+    reph = sub.add_parser(
+        "rephrase",
+        help="rewrite documents with an LLM endpoint (styles, math learning notes), checked for fidelity",
+        description=DESCRIPTION,
+    )
+    add_arguments(reph)
+    reph.set_defaults(func=run_rephrase)
+
+
+def run_rephrase(args: argparse.Namespace) -> int:
+    from k2_data.rephrase.cli import run
+
+    return run(args)
 
 
 def run_tokenize(args: argparse.Namespace) -> int:
