@@ -22,7 +22,7 @@ help:
 	@echo "make rl-demo   SFT on worked additions, then k2 rl (K1.5 objective) from it, into runs/rl-<time>"
 	@echo "make serve   set up .venv if needed, then k2 serve --preset tiny on localhost:8000"
 	@echo "make stats   the K2 vs DeepSeek-V3 cost model (k2 model stats)"
-	@echo "make wheels  build every package's wheel into dist/"
+	@echo "make wheels  every package's wheel into dist/ (k2-kernels manylinux-tagged)"
 	@echo "make lint    ruff check + ruff format --check"
 
 # torch and the build tools, once.
@@ -81,10 +81,12 @@ serve: $(STAMP)
 stats: $(STAMP)
 	$(VENV)/bin/k2 model stats --preset kimi-k2 --compare deepseek-v3
 
-wheels: $(BASE_STAMP)
-	rm -rf dist && mkdir -p dist
-	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w dist $(foreach p,$(PACKAGES),packages/$(p)) .
-	@ls -1 dist
+# Every wheel into dist/: pure packages once, k2-kernels per CPython in WHEEL_PYTHONS, repaired
+# to a manylinux tag (scripts/build_wheels.sh; K2_CUDA_ARCHS picks the GPU archs, 90a default).
+WHEEL_PYTHONS ?= $(PY)
+wheels: $(KERNELS_STAMP)
+	rm -rf dist
+	DIST=dist bash scripts/build_wheels.sh $(WHEEL_PYTHONS)
 
 LINT_PATHS := src packages tests benchmarks scripts conftest.py
 lint: $(STAMP)
