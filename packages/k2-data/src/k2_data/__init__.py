@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 from k2_data.chat import ToolCallStreamParser, parse_tool_calls, render_chat, render_ids
 from k2_data.corpus import default_corpus_files
 from k2_data.ingest import BadRecordError, TokenizeConfig, ensure_tokenized, load_manifest, tokenize_corpus
+from k2_data.mixture import MixedDataset, parse_mixture
 from k2_data.packing import IGNORE_INDEX, PackedDataset
 from k2_data.sft import ChatTokenizeConfig, tokenize_chat
 from k2_data.special_tokens import NUM_RESERVED_SPECIAL_TOKENS, special_token_table
@@ -28,6 +29,7 @@ __all__ = [
     "BadRecordError",
     "IGNORE_INDEX",
     "KimiTokenizer",
+    "MixedDataset",
     "NUM_RESERVED_SPECIAL_TOKENS",
     "PackedDataset",
     "ChatTokenizeConfig",
@@ -38,6 +40,7 @@ __all__ = [
     "ensure_tokenized",
     "load_manifest",
     "load_tokenizer",
+    "parse_mixture",
     "special_token_table",
     "tokenize_chat",
     "tokenize_corpus",
