@@ -301,8 +301,8 @@ def test_errors_in_openai_shape(server):
         )
     assert e.value.body["param"] == "tools" and "strin" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=user, n=2)
-    assert e.value.body["param"] == "n"
+        client.chat.completions.create(model="tiny", messages=user, n=10**4)
+    assert e.value.body["param"] == "n"  # n beyond max_batch_size
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt=[0, 10**6], max_tokens=2)
     assert e.value.body["param"] == "prompt"

@@ -12,7 +12,7 @@ import importlib
 import sys
 
 # Subcommand modules, in the order `k2 --help` lists them.
-COMMANDS = ["model", "data", "pretrain", "sft", "rl", "export", "ckpt", "serve"]
+COMMANDS = ["model", "data", "pretrain", "sft", "rl", "export", "ckpt", "serve", "chat"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -109,20 +109,20 @@ def test_absorbed_decode_equals_expanded_and_full_forward(yarn: bool) -> None:
     prompts = prompts_of([7, 19, 26])
     nxt = [11, 3, 500]
     caches = []
+    tables = [[0, 1], [2, 3], [4, 5]]  # 16-token blocks: each prompt plus its next token fits in two
     for _ in range(2):
         cache = MLACache(
-            cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, max_slots=4, max_len=64
+            cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, max_blocks=8, initial_blocks=8
         )
-        cache.ensure(3, 32)
-        prefill(model, cache, prompts, [0, 1, 2])
+        prefill(model, cache, prompts, [0, 0, 0], tables)
         caches.append(cache)
     pos = torch.tensor([len(p) for p in prompts])
-    absorbed = decode(model, caches[0], torch.tensor(nxt), pos, attention="absorbed")
-    expanded = decode(model, caches[1], torch.tensor(nxt), pos, attention="expanded")
+    absorbed = decode(model, caches[0], torch.tensor(nxt), pos, tables, attention="absorbed")
+    expanded = decode(model, caches[1], torch.tensor(nxt), pos, tables, attention="expanded")
     assert rel_err(absorbed, expanded) <= 1e-5
     # the rows written: equal in layer 0 (same input), equal to fp32 rounding in later layers
-    assert torch.equal(caches[0].kv_LyNLK[0], caches[1].kv_LyNLK[0])
-    assert rel_err(caches[0].kv_LyNLK, caches[1].kv_LyNLK) <= 1e-6
+    assert torch.equal(caches[0].kv_LyBbK[0], caches[1].kv_LyBbK[0])
+    assert rel_err(caches[0].kv_LyBbK, caches[1].kv_LyBbK) <= 1e-6
     with torch.no_grad():
         for i, p in enumerate(prompts):
             full = model(torch.tensor([p + [nxt[i]]])).logits[0, -1]
@@ -321,14 +321,17 @@ def test_cache_bytes_per_token() -> None:
 
 
 def test_cache_grows_and_keeps_contents() -> None:
-    cache = MLACache(2, 4, 2, max_slots=8, max_len=40, initial_slots=1, initial_len=4)
+    cache = MLACache(2, 4, 2, block_size=4, max_blocks=6, initial_blocks=1)
     rows = torch.randn(3, 6)
-    cache.write_span(1, 0, 0, rows)
-    cache.ensure(5, 33)
-    assert (cache.slots, cache.capacity) == (8, 40)  # doubled, capped at the maximum
-    assert torch.equal(cache.view(1, 1, 3)[0], rows)
-    with pytest.raises(ValueError, match="max_len"):
-        cache.ensure(1, 41)
+    b = cache.allocate()
+    cache.write(1, torch.tensor([b] * 3), torch.arange(3), rows)
+    more = [cache.allocate() for _ in range(5)]
+    assert cache.num_blocks == 6 and cache.num_available() == 0  # doubled, capped at the maximum
+    assert torch.equal(cache.gather(1, torch.tensor([[b]]))[0, :3], rows)
+    with pytest.raises(RuntimeError, match="in use"):
+        cache.allocate()
+    cache.release_all([b, *more])
+    assert cache.num_available() == 6 and cache.num_used() == 0
 
 
 def test_bad_arguments_name_the_field() -> None:
@@ -384,7 +387,7 @@ def test_bf16_model_gets_a_bf16_cache() -> None:
     model = make_model().to(torch.bfloat16)
     cfg = model.config
     engine = Engine(model)
-    assert engine.cache.kv_LyNLK.dtype == torch.bfloat16
+    assert engine.cache.kv_LyBbK.dtype == torch.bfloat16
     assert (
         engine.cache_bytes_per_token()
         == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * 2

@@ -3,20 +3,40 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible server (chat, completions, tool calls)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="HF-format checkpoint directory (config.json + safetensors)")
+    src.add_argument(
+        "--model", help="HF-format model directory (config.json + safetensors, e.g. from `k2 export`)"
+    )
     src.add_argument("--preset", help="a K2Config preset with random weights (e.g. tiny), for tests")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--served-model-name", default=None, help="model id (default: the preset or directory name)"
     )
-    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument(
+        "--max-batch-size", type=int, default=32, help="sequences decoded together (n samples count n)"
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the config's)")
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="KV cache budget in tokens; requests whose worst case does not fit wait in the queue "
+        "(default: max-batch-size full-length sequences)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--no-prefix-caching", action="store_true", help="prefill every prompt from scratch")
+    p.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between metric summaries in the log (0: off)",
+    )
     p.add_argument(
         "--device", default=None, help="cpu | cuda (default: cpu for a preset, cuda if available for --model)"
     )
@@ -31,20 +51,75 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _fail(message: str) -> int:
+    """One line naming the argument, argparse's exit code for bad usage, no traceback."""
+    print(f"k2 serve: error: {message}", file=sys.stderr)
+    return 2
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """The first bad argument, as a message naming it; None when all are fine (cheap checks, before loading)."""
+    from pathlib import Path
+
+    from k2_model import K2Config
+    from k2_model.config import PRESETS
+
+    if args.preset is not None and args.preset not in PRESETS:
+        return (
+            f"argument --preset: unknown preset {args.preset!r}; choose one of {', '.join(sorted(PRESETS))}"
+        )
+    if args.model is not None:
+        d = Path(args.model)
+        if not d.is_dir():
+            return f"argument --model: {d} is not a directory (expected an HF-format model, e.g. from `k2 export`)"
+        if (d / "metrics.jsonl").is_file() or not any(d.glob("*.safetensors")):
+            what = "a training run directory" if (d / "metrics.jsonl").is_file() else "not an HF-format model"
+            return f"argument --model: {d} is {what}; export it first: `k2 export {d} --out DIR`, then --model DIR"
+        try:
+            K2Config.from_hf(d / "config.json")
+        except Exception as e:  # any unreadable config is the argument's fault, reported in one line
+            return f"argument --model: {d}/config.json is not a K2/DeepSeek-V3 HF config ({e})"
+    for flag, value, low in (
+        ("--max-batch-size", args.max_batch_size, 1),
+        ("--max-model-len", args.max_model_len, 2),
+        ("--kv-cache-tokens", args.kv_cache_tokens, 1),
+        ("--block-size", args.block_size, 1),
+        ("--port", args.port, 0),
+    ):
+        if value is not None and value < low:
+            return f"argument {flag}: must be >= {low}, got {value}"
+    if args.device is not None and args.device.split(":")[0] not in {"cpu", "cuda"}:
+        return f"argument --device: expected cpu or cuda[:N], got {args.device!r}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    problem = check_args(args)
+    if problem:
+        return _fail(problem)
+    import logging
+
     import uvicorn
 
     from k2_stack.serve import build_bridge, create_app
 
-    bridge = build_bridge(
-        args.model,
-        args.preset,
-        args.served_model_name,
-        args.max_batch_size,
-        args.max_model_len,
-        args.seed,
-        args.device,
-    )
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        bridge = build_bridge(
+            args.model,
+            args.preset,
+            args.served_model_name,
+            args.max_batch_size,
+            args.max_model_len,
+            args.seed,
+            args.device,
+            kv_cache_tokens=args.kv_cache_tokens,
+            block_size=args.block_size,
+            enable_prefix_caching=not args.no_prefix_caching,
+            log_stats_interval=args.log_stats_interval,
+        )
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        return _fail(str(e))
     try:
         uvicorn.run(
             create_app(bridge, None if args.no_ckpt_receiver else args.ckpt_rank),

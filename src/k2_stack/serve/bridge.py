@@ -1,15 +1,19 @@
 """The engine bridge: one `EngineThread` shared by every request, awaited from asyncio.
 
 Each request's `StepOutput` queue is read on a thread of a private pool (the engine thread fills
-it), so many concurrent streams never exhaust asyncio's small default executor. Guided tool calls
-advance one token per `call_between_steps`, interleaved with the batched steps. Weight updates
-(`update_weights`) also run between two steps: requests already running keep their cache.
+it), so many concurrent streams never exhaust asyncio's small default executor. Structured output
+(forced tool calls, `response_format`) is a logits processor of the request, batched like any other.
+Weight updates (`update_weights`) run between two steps: requests already running keep their cache,
+the prefix cache is flushed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,7 +23,10 @@ import torch
 from k2_model import K2Config, K2ForCausalLM
 from k2_model.engine import Engine, EngineThread, SamplingParams, StepOutput
 
-from k2_stack.serve.guided import GuidedCall, llg_tokenizer
+from k2_stack.serve.guided import JsonProcessor, ToolCallProcessor, json_grammar, llg_tokenizer, tool_grammars
+from k2_stack.serve.metrics import ServeMetrics
+
+log = logging.getLogger("k2.serve")
 
 
 @dataclass
@@ -28,6 +35,10 @@ class ServeConfig:
     max_batch_size: int = 32
     max_model_len: int | None = None
     seed: int = 0
+    kv_cache_tokens: int | None = None  # the KV memory budget (None: max_batch_size full-length sequences)
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    log_stats_interval: float = 10.0  # seconds between summary lines in the log (0: off)
 
 
 class EngineBridge:
@@ -41,12 +52,18 @@ class EngineBridge:
         self.engine = Engine(
             model, max_batch_size=config.max_batch_size, max_model_len=config.max_model_len,
             detokenize=lambda ids: tokenizer.decode(ids), eos_token_ids=sorted(stop_ids), seed=config.seed,
+            kv_cache_tokens=config.kv_cache_tokens, block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
         )  # fmt: skip
         self.max_model_len = self.engine.max_model_len
         self.runner = EngineThread(self.engine)
+        self.metrics = ServeMetrics(config.served_model_name)
         self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="k2-serve-wait")
-        self._lltok = None  # built on the first forced tool call (about 50 ms)
+        self._lltok = None  # built on the first structured request (about 50 ms)
         self.num_aborted = 0  # requests whose consumer went away before they finished
+        self._closed = threading.Event()
+        if config.log_stats_interval > 0:
+            threading.Thread(target=self._log_stats, name="k2-serve-stats", daemon=True).start()
 
     @property
     def lltok(self) -> Any:
@@ -54,60 +71,61 @@ class EngineBridge:
             self._lltok = llg_tokenizer(self.tokenizer)
         return self._lltok
 
+    def json_processor(self, schema: Any, strict: bool = True) -> JsonProcessor:
+        """A processor constraining the reply to `schema` (ValueError naming the problem when it is invalid)."""
+        return JsonProcessor(
+            self.lltok, self.model.config.vocab_size, self.tokenizer.eos_id, json_grammar(schema, strict)
+        )
+
+    def tool_call_processor(
+        self, tools: list[dict[str, Any]], name: str | None, call_index: int
+    ) -> ToolCallProcessor:
+        """A processor forcing one call of `tools` (of `name`, when given); ValueError for a bad schema or name."""
+        grammars = tool_grammars(tools)
+        if name is not None and name not in grammars:
+            raise ValueError(f"tool_choice names function {name!r}, which is not in tools {sorted(grammars)}")
+        return ToolCallProcessor(
+            self.lltok, self.tokenizer, self.model.config.vocab_size, grammars, name, call_index
+        )
+
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
-        """StepOutputs of one request; aborts it if the consumer goes away."""
+        """StepOutputs of one request (all its `params.n` samples); aborts it if the consumer goes away.
+        Records time to first token (per request) and inter-token latency (per sample)."""
+        t0 = time.perf_counter()
         rid, q = self.runner.submit(prompt_ids, params)
         loop = asyncio.get_running_loop()
-        finished = False
+        remaining = params.n
+        last: dict[int, float] = {}
         try:
-            while not finished:
+            while remaining:
                 try:
                     out = q.get_nowait()
                 except queue.Empty:
                     out = await loop.run_in_executor(self._pool, q.get)
                 if isinstance(out, BaseException):
                     raise out
-                finished = out.finished
+                if out.token_ids:
+                    now = time.perf_counter()
+                    if not last:
+                        self.metrics.ttft.observe(now - t0)
+                    elif out.index in last:
+                        self.metrics.itl.observe(now - last[out.index])
+                    last[out.index] = now
+                if out.finished:
+                    remaining -= 1
+                    self.metrics.request_finished(out.finish_reason or "stop")
                 yield out
         finally:
-            if not finished:
+            if remaining:
                 self.num_aborted += 1
                 self.runner.abort(rid)
-
-    def guided_call(
-        self,
-        prompt_ids: Sequence[int],
-        tools: list[dict[str, Any]],
-        name: str | None,
-        call_index: int,
-        max_tokens: int,
-        temperature: float,
-        seed: int | None,
-    ) -> GuidedCall:
-        return GuidedCall(
-            self.model,
-            self.tokenizer,
-            self.lltok,
-            prompt_ids,
-            tools,
-            name,
-            call_index,
-            max_tokens,
-            self.max_model_len,
-            temperature,
-            seed,
-        )
-
-    async def run_guided(self, call: GuidedCall) -> AsyncIterator[list[int]]:
-        """The token ids a guided call adds, one engine boundary at a time."""
-        while not call.finished:
-            yield await asyncio.wrap_future(self.runner.call_between_steps(call.step))
 
     async def between_steps(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self.runner.call_between_steps(fn))
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> Any:
-        """Copy tensors into the live model between two decode steps (blocking); the Future's result."""
+        """Copy tensors into the live model between two decode steps (blocking); the Future's result.
+        The engine flushes its prefix cache after it (rows of the old weights are never reused)."""
 
         def load() -> list[str]:
             params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
@@ -124,7 +142,17 @@ class EngineBridge:
 
         return self.runner.call_between_steps(load).result()
 
+    def _log_stats(self) -> None:
+        last = None
+        while not self._closed.wait(self.config.log_stats_interval):
+            s = self.engine.stats
+            now = (s.prompt_tokens, s.generated_tokens, self.engine.num_running, self.engine.num_waiting)
+            if now != last:  # quiet while idle
+                log.info("%s", self.metrics.summary(self.engine))
+                last = now
+
     def close(self) -> None:
+        self._closed.set()
         self.runner.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -137,10 +165,12 @@ def build_bridge(
     max_model_len: int | None = None,
     seed: int = 0,
     device: str | None = None,
+    **engine: Any,
 ) -> EngineBridge:
     """A bridge for `--model DIR` (HF-format checkpoint; its tokenizer if it has one) or `--preset NAME`
     (random weights from `seed`, the shipped k2-data tokenizer). `device` None: CPU for a preset;
-    for a checkpoint CUDA when available (its dtype), else CPU in fp32 (this CPU's bf16 matmuls are slow)."""
+    for a checkpoint CUDA when available (its dtype), else CPU in fp32 (this CPU's bf16 matmuls are slow).
+    `engine`: the other `ServeConfig` fields (kv_cache_tokens, block_size, enable_prefix_caching, ...)."""
     from pathlib import Path
 
     from k2_data import load_tokenizer
@@ -154,8 +184,18 @@ def build_bridge(
         name = served_model_name or preset
     else:
         d = Path(model_dir)
+        if not d.is_dir():
+            raise FileNotFoundError(
+                f"--model {d}: no such directory (expected an HF-format export with config.json)"
+            )
+        if (d / "metrics.jsonl").is_file() or not any(d.glob("*.safetensors")):
+            what = "a training run" if (d / "metrics.jsonl").is_file() else "not an HF-format export"
+            raise FileNotFoundError(
+                f"--model {d}: {what} (no model.safetensors / config.json export); "
+                f"make a servable model with `k2 export {d} --out DIR` and pass --model DIR"
+            )
         if not (d / "config.json").is_file():
-            raise FileNotFoundError(f"k2 serve --model: {d} has no config.json")
+            raise FileNotFoundError(f"--model {d}: no config.json (expected an HF-format export)")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = torch.float32 if torch.device(device).type == "cpu" else None
         model = K2ForCausalLM.from_pretrained(str(d), dtype=dtype, device=device)
@@ -166,4 +206,6 @@ def build_bridge(
         raise ValueError(
             f"tokenizer has {tokenizer.vocab_size} ids, model vocab_size is {model.config.vocab_size}"
         )
-    return EngineBridge(model.eval(), tokenizer, ServeConfig(name, max_batch_size, max_model_len, seed))
+    return EngineBridge(
+        model.eval(), tokenizer, ServeConfig(name, max_batch_size, max_model_len, seed, **engine)
+    )

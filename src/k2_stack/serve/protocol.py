@@ -1,7 +1,8 @@
 """Request and response bodies in OpenAI's shapes (pydantic), and OpenAI's error shape.
 
-Unknown request fields are accepted and ignored (clients send many optional ones); fields we
-cannot honour (`n > 1`) are rejected with a 400 naming them.
+Every field OpenAI defines parses; what we cannot honour (`logit_bias`, penalties, `suffix`, audio,
+...) and fields OpenAI does not define are a 400 naming the field (`unsupported_fields`), never
+silently ignored. Pure metadata (`user`, `metadata`, `store`, `service_tier`) is accepted.
 """
 
 from __future__ import annotations
@@ -54,17 +55,40 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Lenient):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Sampling(_Lenient):
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = None  # vLLM's extension
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's extension
+    ignore_eos: bool = False  # vLLM's extension
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # accepted by OpenAI's schema, not supported here: a 400 unless left at the default
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # metadata: accepted, no effect on generation
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -72,11 +96,57 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    # not supported: a 400 when set
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: str | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+def unsupported_fields(req: _Sampling) -> tuple[str, str] | None:
+    """(field, why) for the first field set that we cannot honour, or None."""
+    for name in sorted(req.model_extra or {}):
+        return name, f"Unrecognized request argument supplied: {name}"
+    if req.presence_penalty:
+        return "presence_penalty", "presence_penalty is not supported (only 0)"
+    if req.frequency_penalty:
+        return "frequency_penalty", "frequency_penalty is not supported (only 0)"
+    if req.logit_bias:
+        return "logit_bias", "logit_bias is not supported"
+    if isinstance(req, ChatCompletionRequest):
+        for name in (
+            "functions",
+            "function_call",
+            "audio",
+            "prediction",
+            "web_search_options",
+            "reasoning_effort",
+        ):
+            if getattr(req, name) is not None:
+                return name, f"{name} is not supported"
+        if req.modalities is not None and req.modalities != ["text"]:
+            return "modalities", "only text output is supported"
+    if isinstance(req, CompletionRequest):
+        if req.suffix:
+            return "suffix", "suffix is not supported"
+        if req.best_of is not None and req.best_of != req.n:
+            return "best_of", "best_of is not supported (only equal to n)"
+    return None
 
 
 class Usage(BaseModel):

@@ -1,27 +1,42 @@
-"""The MLA compressed KV cache: per token and layer, the normalised latent and the rotated rotary key.
+"""The MLA compressed KV cache in fixed-size blocks, with a prefix index over full blocks.
 
-Shape legend: Ly layers, N slots (one per running sequence), L token capacity per slot,
-C kv_lora_rank, R qk_rope_head_dim, K = C + R (one cache row), n running sequences.
+Shape legend: Ly layers, NB blocks in the pool, B tokens per block, C kv_lora_rank,
+R qk_rope_head_dim, K = C + R (one cache row), n sequences in a step, M blocks per sequence.
 
 A row is `[kv_a_layernorm(c) (C), rope(k_rope) (R)]`: everything MLA's attention needs, since
 every head's key-nope and value are linear in the latent (`kv_b_proj`). That is C + R values per
 token and layer (576 for K2) instead of H * (P + R + V) for expanded per-head keys and values
 (20,480 for K2's 64 heads): 35.6x smaller.
 
-Slots are kept dense: running sequences occupy slots 0..n-1, so a decode step reads the view
-`kv[layer, :n, :length]` with no gather. When a sequence leaves, the last running sequence is
-moved into its slot (one sequence's rows are copied). Capacity (slots and tokens) grows by
-doubling, so memory follows the longest running sequence rather than the model's maximum length.
+Paging (as vLLM): a sequence owns a block table (block ids, position p lives in block
+`table[p // B]` at offset `p % B`). Blocks are reference-counted, so the `n` samples of one request
+share their prompt's full blocks, and a request whose prompt extends a cached prefix shares the
+blocks of that prefix. A full block is keyed by a hash chained over every token up to its end
+(`block_key`); blocks whose count drops to 0 stay in the index, evictable in LRU order, until the
+pool needs them. `flush_prefix()` forgets the index (after a weight update the cached rows are stale).
+
+The pool grows by doubling up to `max_blocks` (the memory budget), so memory follows use.
 """
 
 from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 
+def block_key(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """The prefix-index key of a full block: a hash over the parent block's key and this block's tokens."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(",".join(map(str, tokens)).encode())
+    return h.digest()
+
+
 class MLACache:
-    """Per-layer `[slots, capacity, C + R]` storage for running sequences."""
+    """A pool `[layers, blocks, block_size, C + R]` with a block allocator and a prefix index."""
 
     def __init__(
         self,
@@ -30,72 +45,144 @@ class MLACache:
         rope_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        max_slots: int = 64,
-        max_len: int = 4096,
-        initial_slots: int = 4,
-        initial_len: int = 256,
+        block_size: int = 16,
+        max_blocks: int = 1024,
+        initial_blocks: int = 16,
     ) -> None:
-        if max_slots <= 0 or max_len <= 0:
-            raise ValueError(f"MLACache: max_slots and max_len must be positive, got {max_slots}, {max_len}")
+        if block_size <= 0 or max_blocks <= 0:
+            raise ValueError(
+                f"MLACache: block_size and max_blocks must be positive, got {block_size}, {max_blocks}"
+            )
         self.num_layers, self.C, self.R = num_layers, kv_lora_rank, rope_dim
         self.dtype, self.device = dtype, torch.device(device)
-        self.max_slots, self.max_len = max_slots, max_len
-        self.kv_LyNLK = torch.zeros(
-            num_layers, min(initial_slots, max_slots), min(initial_len, max_len), self.row_size,
-            dtype=dtype, device=self.device,
-        )  # fmt: skip
+        self.block_size, self.max_blocks = block_size, max_blocks
+        self.kv_LyBbK = torch.zeros(
+            num_layers,
+            min(initial_blocks, max_blocks),
+            block_size,
+            self.row_size,
+            dtype=dtype,
+            device=self.device,
+        )
+        self.refs: list[int] = [0] * self.num_blocks
+        self._free: list[int] = list(reversed(range(self.num_blocks)))  # never indexed (or forgotten)
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # refs 0, still indexed; LRU first
+        self._key_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self.evictions = 0
 
+    # ------------------------------------------------------------------ sizes
     @property
     def row_size(self) -> int:
         return self.C + self.R
 
     @property
-    def slots(self) -> int:
-        return self.kv_LyNLK.shape[1]
-
-    @property
-    def capacity(self) -> int:
-        return self.kv_LyNLK.shape[2]
+    def num_blocks(self) -> int:
+        """Blocks allocated in the pool now (it grows up to max_blocks)."""
+        return self.kv_LyBbK.shape[1]
 
     def bytes_per_token(self) -> int:
         """(kv_lora_rank + qk_rope_head_dim) * layers * dtype bytes."""
-        return self.row_size * self.num_layers * self.kv_LyNLK.element_size()
+        return self.row_size * self.num_layers * self.kv_LyBbK.element_size()
 
     def allocated_bytes(self) -> int:
-        return self.kv_LyNLK.numel() * self.kv_LyNLK.element_size()
+        return self.kv_LyBbK.numel() * self.kv_LyBbK.element_size()
 
-    def ensure(self, slots: int, length: int) -> None:
-        """Grow (by doubling) so that `slots` slots of `length` tokens fit; keeps the contents."""
-        if slots > self.max_slots:
-            raise ValueError(f"MLACache: {slots} slots requested, max_slots is {self.max_slots}")
-        if length > self.max_len:
-            raise ValueError(f"MLACache: {length} tokens requested, max_len is {self.max_len}")
-        new_n, new_l = self.slots, self.capacity
-        while new_n < slots:
-            new_n = min(2 * new_n, self.max_slots)
-        while new_l < length:
-            new_l = min(2 * new_l, self.max_len)
-        if (new_n, new_l) == (self.slots, self.capacity):
-            return
+    def num_available(self) -> int:
+        """Blocks a new allocation can get: free, evictable, or not yet grown into."""
+        return len(self._free) + len(self._evictable) + self.max_blocks - self.num_blocks
+
+    def num_used(self) -> int:
+        """Blocks referenced by running sequences."""
+        return self.num_blocks - len(self._free) - len(self._evictable)
+
+    def num_cached(self) -> int:
+        """Blocks in the prefix index (in use or evictable)."""
+        return len(self._block_of)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    # ------------------------------------------------------------------ allocation
+    def _grow(self) -> None:
+        old = self.num_blocks
+        new = min(2 * old, self.max_blocks)
         grown = torch.zeros(
-            self.num_layers, new_n, new_l, self.row_size, dtype=self.dtype, device=self.device
+            self.num_layers, new, self.block_size, self.row_size, dtype=self.dtype, device=self.device
         )
-        grown[:, : self.slots, : self.capacity] = self.kv_LyNLK
-        self.kv_LyNLK = grown
+        grown[:, :old] = self.kv_LyBbK
+        self.kv_LyBbK = grown
+        self.refs += [0] * (new - old)
+        self._free = list(reversed(range(old, new))) + self._free
 
-    def write(self, layer: int, slot_n: Tensor, pos_n: Tensor, row_nK: Tensor) -> None:
-        """Store one row per (slot, position) pair (a decode step)."""
-        self.kv_LyNLK[layer, slot_n, pos_n] = row_nK.to(self.dtype)
+    def allocate(self) -> int:
+        """A block with one reference: free first, then grow, then evict the least recently used."""
+        if not self._free and self.num_blocks < self.max_blocks:
+            self._grow()
+        if self._free:
+            b = self._free.pop()
+        elif self._evictable:
+            b, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._key_of.pop(b)]
+            self.evictions += 1
+        else:
+            raise RuntimeError(f"MLACache: all {self.max_blocks} blocks are in use")
+        self.refs[b] = 1
+        return b
 
-    def write_span(self, layer: int, slot: int, start: int, rows_SK: Tensor) -> None:
-        """Store consecutive rows of one sequence (a prefill)."""
-        self.kv_LyNLK[layer, slot, start : start + rows_SK.shape[0]] = rows_SK.to(self.dtype)
+    def retain(self, block: int) -> None:
+        if self.refs[block] == 0:
+            self._evictable.pop(block, None)
+        self.refs[block] += 1
 
-    def view(self, layer: int, n: int, length: int) -> Tensor:
-        """Slots 0..n-1, tokens 0..length-1 of one layer: `[n, length, C + R]` (a view, no copy)."""
-        return self.kv_LyNLK[layer, :n, :length]
+    def release(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if block in self._key_of:
+                self._evictable[block] = None  # most recently used last
+            else:
+                self._free.append(block)
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` rows of slot `src` into slot `dst` in every layer (compaction)."""
-        if src != dst and length > 0:
-            self.kv_LyNLK[:, dst, :length] = self.kv_LyNLK[:, src, :length]
+    def release_all(self, table: Sequence[int]) -> None:
+        """Release a sequence's blocks, last first: its prefix blocks become the most recently used
+        (they are the most likely to be shared), so eviction takes the tails first."""
+        for b in reversed(table):
+            self.release(b)
+
+    # ------------------------------------------------------------------ the prefix index
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """The blocks of the longest indexed prefix of `keys` (not retained)."""
+        hits = []
+        for k in keys:
+            b = self._block_of.get(k)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def register(self, block: int, key: bytes) -> None:
+        """Index a full block under its key (a key already indexed keeps its block)."""
+        if key not in self._block_of and block not in self._key_of:
+            self._block_of[key] = block
+            self._key_of[block] = key
+
+    def flush_prefix(self) -> None:
+        """Forget every indexed prefix: evictable blocks become free, blocks in use stay with their owners."""
+        self._block_of.clear()
+        self._key_of.clear()
+        self._free += list(self._evictable)
+        self._evictable.clear()
+
+    # ------------------------------------------------------------------ data
+    def write(self, layer: int, block_n: Tensor, offset_n: Tensor, row_nK: Tensor) -> None:
+        """Store one row per (block, offset) pair."""
+        self.kv_LyBbK[layer, block_n, offset_n] = row_nK.to(self.dtype)
+
+    def gather(self, layer: int, table_nM: Tensor) -> Tensor:
+        """The rows of n sequences' blocks, `[n, M * B, C + R]` (position p of sequence i at `[i, p]`)."""
+        n, M = table_nM.shape
+        return self.kv_LyBbK[layer, table_nM].view(n, M * self.block_size, self.row_size)
+
+    def copy_block(self, src: int, dst: int, rows: int) -> None:
+        """Copy the first `rows` rows of block `src` into `dst` in every layer (a partial block forked)."""
+        self.kv_LyBbK[:, dst, :rows] = self.kv_LyBbK[:, src, :rows]

@@ -1,8 +1,8 @@
 """MLA attention over the compressed cache: absorbed decode, expanded decode (reference), expanded prefill.
 
-Shape legend: n sequences in the step, T packed prefill tokens, L cached length (keys), H heads,
-P qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim, C kv_lora_rank, K = C + R, D hidden size,
-R2 = R // 2.
+Shape legend: n sequences in the step, T packed prefill tokens, L cached length (keys; M blocks
+times B tokens in a decode step), H heads, P qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim,
+C kv_lora_rank, K = C + R, D hidden size, R2 = R // 2.
 
 Absorbed decode (the DeepSeek-V2 paper's weight absorption): head h's key-nope is W_UK[h] c and its value
 W_UV[h] c, with c the normalised latent. So
@@ -12,9 +12,14 @@ and every head attends over the shared K-dim cache rows [c_j, rope(k_rope)_j] di
 batched matmul for scores and one for the weighted sum, never expanding per-head keys/values.
 W_UK and W_UV are views of `kv_b_proj.weight` taken at every call: the engine keeps no derived
 copy of any weight, so weights updated in place between steps take effect on the next step.
+
+Rows live in the paged cache: a step's `DecodeIndex` / `PrefillIndex` say where each new row goes
+(block, offset) and which blocks hold each sequence's earlier rows.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +28,27 @@ from torch import Tensor
 from k2_model.engine.cache import MLACache
 from k2_model.model import MLAttention
 from k2_model.rope import apply_rope_interleaved
+
+
+@dataclass
+class DecodeIndex:
+    """Where a decode step's rows go and come from (built once per step, shared by every layer)."""
+
+    pos_n: Tensor  # the new token's position
+    block_n: Tensor  # the block its row goes to
+    offset_n: Tensor  # and the offset in it
+    table_nM: Tensor  # block tables, padded with any block id (masked by position)
+
+
+@dataclass
+class PrefillIndex:
+    """Where a prefill step's rows go (per packed token) and each sequence's cached prefix."""
+
+    block_T: Tensor
+    offset_T: Tensor
+    starts: list[int]  # tokens already cached per sequence (its new tokens start there)
+    lengths: list[int]  # new tokens per sequence
+    prefix_tables: list[Tensor]  # the blocks holding rows 0..start-1 (empty when start == 0)
 
 
 def _query(attn: MLAttention, x_nD: Tensor) -> Tensor:
@@ -57,27 +83,23 @@ def decode_attention_absorbed(
     sin_nR2: Tensor,
     cache: MLACache,
     layer: int,
-    pos_n: Tensor,
-    max_len: int,
+    idx: DecodeIndex,
 ) -> Tensor:
-    """One new token per sequence in slots 0..n-1 at positions pos_n: writes its cache row, returns [n, D].
-
-    `max_len` = max(pos_n) + 1 (passed in so the step computes it once for all layers).
-    """
+    """One new token per sequence at positions idx.pos_n: writes its cache row, returns [n, D]."""
     n = x_nD.shape[0]
     H, C = attn.num_heads, attn.C
     q_nHX = _query(attn, x_nD)
     q_nope_nHP, q_rope_nHR = q_nHX.split([attn.P, attn.R], dim=-1)
     q_rope_nHR = apply_rope_interleaved(q_rope_nHR, cos_nR2.unsqueeze(1), sin_nR2.unsqueeze(1))
-    cache.write(layer, torch.arange(n, device=x_nD.device), pos_n, cache_rows(attn, x_nD, cos_nR2, sin_nR2))
-    kv_nLK = cache.view(layer, n, max_len)
+    cache.write(layer, idx.block_n, idx.offset_n, cache_rows(attn, x_nD, cos_nR2, sin_nR2))
+    kv_nLK = cache.gather(layer, idx.table_nM)
 
     w_uk_HPC, w_uv_HVC = _up_weights(attn)
     q_lat_HnC = torch.bmm(q_nope_nHP.transpose(0, 1), w_uk_HPC)  # W_UK folded into the query
     q_nHK = torch.cat((q_lat_HnC.transpose(0, 1), q_rope_nHR), dim=-1)
     scores_nHL = torch.bmm(q_nHK, kv_nLK.transpose(1, 2).to(q_nHK.dtype))
     scores_nHL = scores_nHL.mul_(attn.softmax_scale).masked_fill_(
-        ~_key_mask(pos_n + 1, max_len), float("-inf")
+        ~_key_mask(idx.pos_n + 1, kv_nLK.shape[1]), float("-inf")
     )
     probs_nHL = F.softmax(scores_nHL, dim=-1, dtype=torch.float32).to(q_nHK.dtype)
     o_lat_nHC = torch.bmm(probs_nHL, kv_nLK[..., :C].to(q_nHK.dtype))
@@ -92,8 +114,7 @@ def decode_attention_expanded(
     sin_nR2: Tensor,
     cache: MLACache,
     layer: int,
-    pos_n: Tensor,
-    max_len: int,
+    idx: DecodeIndex,
 ) -> Tensor:
     """The same step in the expanded form (per-head keys and values rebuilt from the cache): the reference."""
     n = x_nD.shape[0]
@@ -101,13 +122,14 @@ def decode_attention_expanded(
     q_nHX = _query(attn, x_nD)
     q_nope_nHP, q_rope_nHR = q_nHX.split([P, R], dim=-1)
     q_rope_nHR = apply_rope_interleaved(q_rope_nHR, cos_nR2.unsqueeze(1), sin_nR2.unsqueeze(1))
-    cache.write(layer, torch.arange(n, device=x_nD.device), pos_n, cache_rows(attn, x_nD, cos_nR2, sin_nR2))
-    kv_nLK = cache.view(layer, n, max_len).to(q_nHX.dtype)
+    cache.write(layer, idx.block_n, idx.offset_n, cache_rows(attn, x_nD, cos_nR2, sin_nR2))
+    kv_nLK = cache.gather(layer, idx.table_nM).to(q_nHX.dtype)
+    max_len = kv_nLK.shape[1]
     kv_nLHX = attn.kv_b_proj(kv_nLK[..., :C]).view(n, max_len, H, P + V)
     k_nope_nHLP, v_nHLV = kv_nLHX.transpose(1, 2).split([P, V], dim=-1)
     k_nHLX = torch.cat((k_nope_nHLP, kv_nLK[..., C:].unsqueeze(1).expand(n, H, max_len, R)), dim=-1)
     q_nH1X = torch.cat((q_nope_nHP, q_rope_nHR), dim=-1).unsqueeze(2)
-    mask_n11L = _key_mask(pos_n + 1, max_len).unsqueeze(1)
+    mask_n11L = _key_mask(idx.pos_n + 1, max_len).unsqueeze(1)
     o_nH1V = F.scaled_dot_product_attention(
         q_nH1X, k_nHLX, v_nHLV, attn_mask=mask_n11L, scale=attn.softmax_scale
     )
@@ -121,38 +143,48 @@ def prefill_attention(
     sin_TR2: Tensor,
     cache: MLACache,
     layer: int,
-    slots: list[int],
-    lengths: list[int],
+    idx: PrefillIndex,
 ) -> Tensor:
-    """Packed prompts (sequence i = `lengths[i]` tokens, positions from 0) in the expanded form.
+    """Packed new tokens (sequence i: `idx.lengths[i]` tokens from position `idx.starts[i]`) in the expanded form.
 
     Projections run once over all T tokens; causal attention runs per sequence (varlen), so no
-    padding and no block-diagonal mask. Writes each sequence's cache rows into its slot.
+    padding and no block-diagonal mask. A sequence with a cached prefix attends to the prefix's
+    rows from the cache (their per-head keys and values rebuilt by `kv_b_proj`, as a full prefill
+    computes them) plus its new tokens. Writes every new row into its block.
     """
     T = x_TD.shape[0]
-    H, P, R, V = attn.num_heads, attn.P, attn.R, attn.V
+    H, P, R, V, C = attn.num_heads, attn.P, attn.R, attn.V, attn.C
     q_THX = _query(attn, x_TD)
     q_nope_THP, q_rope_THR = q_THX.split([P, R], dim=-1)
     q_rope_THR = apply_rope_interleaved(q_rope_THR, cos_TR2.unsqueeze(1), sin_TR2.unsqueeze(1))
     rows_TK = cache_rows(attn, x_TD, cos_TR2, sin_TR2)
-    kv_THX = attn.kv_b_proj(rows_TK[:, : attn.C]).view(T, H, P + V)
+    cache.write(layer, idx.block_T, idx.offset_T, rows_TK)
+    kv_THX = attn.kv_b_proj(rows_TK[:, :C]).view(T, H, P + V)
     k_nope_THP, v_THV = kv_THX.split([P, V], dim=-1)
     q_HTX = torch.cat((q_nope_THP, q_rope_THR), dim=-1).transpose(0, 1)
-    k_HTX = torch.cat((k_nope_THP, rows_TK[:, attn.C :].unsqueeze(1).expand(T, H, R)), dim=-1).transpose(0, 1)
+    k_HTX = torch.cat((k_nope_THP, rows_TK[:, C:].unsqueeze(1).expand(T, H, R)), dim=-1).transpose(0, 1)
     v_HTV = v_THV.transpose(0, 1)
-    outs, start = [], 0
-    for slot, S in zip(slots, lengths):
-        cache.write_span(layer, slot, 0, rows_TK[start : start + S])
-        sl = slice(start, start + S)
-        outs.append(
-            F.scaled_dot_product_attention(
-                q_HTX[None, :, sl],
-                k_HTX[None, :, sl],
-                v_HTV[None, :, sl],
-                is_causal=True,
-                scale=attn.softmax_scale,
+    outs, t0 = [], 0
+    for start, S, table in zip(idx.starts, idx.lengths, idx.prefix_tables):
+        sl = slice(t0, t0 + S)
+        q_1HSX, k_HSX, v_HSV = q_HTX[None, :, sl], k_HTX[:, sl], v_HTV[:, sl]
+        if start == 0:
+            o_HSV = F.scaled_dot_product_attention(
+                q_1HSX, k_HSX[None], v_HSV[None], is_causal=True, scale=attn.softmax_scale
             )[0]
-        )
-        start += S
+        else:
+            pre_LK = cache.gather(layer, table[None])[0, :start].to(x_TD.dtype)
+            pre_LHX = attn.kv_b_proj(pre_LK[:, :C]).view(start, H, P + V)
+            pre_k_HLP, pre_v_HLV = pre_LHX.transpose(0, 1).split([P, V], dim=-1)
+            pre_k_HLX = torch.cat((pre_k_HLP, pre_LK[:, C:].unsqueeze(0).expand(H, start, R)), dim=-1)
+            keys = torch.cat((pre_k_HLX, k_HSX), dim=1)
+            values = torch.cat((pre_v_HLV, v_HSV), dim=1)
+            q_pos_S = torch.arange(start, start + S, device=x_TD.device)
+            mask_SL = torch.arange(start + S, device=x_TD.device)[None] <= q_pos_S[:, None]
+            o_HSV = F.scaled_dot_product_attention(
+                q_1HSX, keys[None], values[None], attn_mask=mask_SL, scale=attn.softmax_scale
+            )[0]
+        outs.append(o_HSV)
+        t0 += S
     o_HTV = torch.cat(outs, dim=1)
     return attn.o_proj(o_HTV.transpose(0, 1).reshape(T, H * V))

@@ -1,11 +1,21 @@
-"""The generation engine: continuous batching over the MLA cache.
+"""The generation engine: continuous batching over the paged MLA cache, with prefix caching.
 
 Requests wait in a queue; each `step()` (1) drops aborted requests, (2) admits waiting requests
-into free cache slots and prefills them together (packed, expanded attention), which yields
-their first token, (3) runs one absorbed decode step for every request that was already
-running, and (4) samples one token for every row of both, checks stop conditions and frees the
-slots of finished requests. So requests join and leave between decode steps, and every running
-request advances by exactly one token per step.
+while the batch and the KV budget allow, reusing the longest cached prefix of each prompt, and
+prefills only their new tokens together (packed, expanded attention), which yields their first
+token, (3) runs one absorbed decode step for every sequence that was already running, and
+(4) applies each row's logits processors, samples one token per row, checks stop conditions and
+releases the blocks of finished sequences. So requests join and leave between decode steps, and
+every running sequence advances by exactly one token per step.
+
+A request with `n > 1` samples is prefilled once; its samples fork from the prefill (sharing the
+prompt's full blocks, each with a copy of the partial last block) and sample i draws with the seed
+`sample_seed(seed, i)`, so it equals a single request with that seed.
+
+Admission control: a sequence may need `blocks_for(min(prompt + max_tokens, max_model_len))`
+blocks; a request is admitted only when the worst case of every running sequence and of it fits
+in the cache's budget (`kv_cache_tokens`), so a burst of long requests queues (first come, first
+served) and nothing is ever preempted.
 
 Finish reasons: "stop" (a stop token id, the eos ids unless ignore_eos, or a stop string),
 "length" (max_tokens, or the model's context is full), "abort". A stop token stays in
@@ -19,6 +29,7 @@ runs `step()`); `step()` itself must be driven by one thread.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -28,26 +39,31 @@ from typing import Any
 
 import torch
 
-from k2_model.engine.cache import MLACache
+from k2_model.engine.cache import MLACache, block_key
 from k2_model.engine.forward import DECODE_ATTENTION, decode, prefill
-from k2_model.engine.sampling import SamplingParams, sample
+from k2_model.engine.sampling import SamplingParams, fork_processor, sample, sample_seed
 from k2_model.model import K2ForCausalLM
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class Completion:
-    """A request and everything generated for it so far."""
+    """One sample of a request and everything generated for it so far."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # raw distribution
+    logprobs: list[float] = field(default_factory=list)  # the distribution after logits processors
     sampled_logprobs: list[float] = field(default_factory=list)  # the processed distribution sampled
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    index: int = 0  # the sample's index among the request's n
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # why a logits processor aborted it
 
     @property
     def finished(self) -> bool:
@@ -56,7 +72,7 @@ class Completion:
 
 @dataclass
 class StepOutput:
-    """What one step produced for one request (a streaming delta)."""
+    """What one step produced for one sample of a request (a streaming delta)."""
 
     request_id: str
     token_ids: list[int]  # 0 or 1 tokens
@@ -66,12 +82,32 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     completion: Completion
+    index: int = 0
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per token, when requested
 
 
 @dataclass
-class _Running:
+class EngineStats:
+    """Counters since the engine started (the server's /metrics reads them)."""
+
+    prompt_tokens: int = 0  # of admitted requests, once per request (not per sample)
+    prefilled_tokens: int = 0  # run through prefill: prompt tokens minus the cached prefix
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    generated_tokens: int = 0
+    requests_admitted: int = 0
+    samples_finished: int = 0
+
+
+@dataclass
+class _Seq:
+    """One running sample: its completion, its block table and the keys of its full blocks."""
+
     completion: Completion
     generator: torch.Generator | None
+    processors: list[Callable]
+    table: list[int]
+    keys: list[bytes]
+    max_blocks: int
     emitted_chars: int = 0  # text already streamed
 
     @property
@@ -80,15 +116,29 @@ class _Running:
         return len(self.completion.prompt_token_ids) + len(self.completion.token_ids)
 
 
+@dataclass
+class _Pending:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    keys: list[bytes]  # prefix-index keys of the prompt's full blocks
+    need_blocks: int  # worst case for all n samples (prompt blocks shared)
+    max_blocks: int  # worst case per sample
+
+
 class Engine:
-    """Batched generation with a compressed MLA KV cache.
+    """Batched generation with a paged, prefix-cached MLA KV cache.
 
     `detokenize(ids) -> str` is needed for stop strings and `text` (without it `text` stays "").
     `eos_token_ids` defaults to the config's `eos_token_id`. `max_model_len` (prompt + generated
     tokens) defaults to the config's `max_position_embeddings`. `max_prefill_tokens` bounds the
-    prompt tokens admitted in one step (at least one request is always admitted). `attention`
-    "expanded" decodes with per-head keys and values rebuilt from the cache (the reference form,
-    for tests). The model is put in eval mode; the cache takes its dtype and device.
+    new prompt tokens admitted in one step (at least one request is always admitted).
+    `kv_cache_tokens` is the KV memory budget in tokens (default: `max_batch_size` full-length
+    sequences); `block_size` tokens per cache block; `enable_prefix_caching` reuses cached prompt
+    prefixes across requests. `attention` "expanded" decodes with per-head keys and values rebuilt
+    from the cache (the reference form, for tests). The model is put in eval mode; the cache takes
+    its dtype and device.
     """
 
     def __init__(
@@ -101,6 +151,9 @@ class Engine:
         max_prefill_tokens: int = 8192,
         attention: str = "absorbed",
         seed: int = 0,
+        kv_cache_tokens: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
     ) -> None:
         if attention not in DECODE_ATTENTION:
             raise ValueError(
@@ -108,6 +161,8 @@ class Engine:
             )
         if max_batch_size < 1:
             raise ValueError(f"Engine: max_batch_size must be >= 1, got {max_batch_size}")
+        if block_size < 1:
+            raise ValueError(f"Engine: block_size must be >= 1, got {block_size}")
         cfg = model.config
         self.model = model.eval()
         self.max_model_len = max_model_len or cfg.max_position_embeddings
@@ -118,13 +173,21 @@ class Engine:
             eos_token_ids = [] if cfg.eos_token_id is None else [cfg.eos_token_id]
         self.eos_token_ids = set(eos_token_ids)
         self.attention = attention
+        self.enable_prefix_caching = enable_prefix_caching
+        per_seq = -(-self.max_model_len // block_size)
+        max_blocks = (
+            max_batch_size * per_seq if kv_cache_tokens is None else -(-kv_cache_tokens // block_size)
+        )
+        if max_blocks < 1:
+            raise ValueError(f"Engine: kv_cache_tokens must be >= 1, got {kv_cache_tokens}")
         weight = model.lm_head.weight
         self.cache = MLACache(
             cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype=weight.dtype,
-            device=weight.device, max_slots=max_batch_size, max_len=self.max_model_len,
+            device=weight.device, block_size=block_size, max_blocks=max_blocks,
         )  # fmt: skip
-        self._running: list[_Running] = []  # index = cache slot
-        self._waiting: deque[_Running] = deque()
+        self.stats = EngineStats()
+        self._running: list[_Seq] = []
+        self._waiting: deque[_Pending] = deque()
         self._aborts: set[str] = set()
         self._between_steps: deque[tuple[Callable[[], Any], Future]] = deque()
         self._lock = threading.Lock()
@@ -138,7 +201,7 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Queue a request; it joins the batch at the next step. Returns its id."""
+        """Queue a request (its `params.n` samples); it joins the batch at a later step. Returns its id."""
         params = params or SamplingParams()
         ids = [int(t) for t in prompt_token_ids]
         vocab = self.model.config.vocab_size
@@ -154,6 +217,22 @@ class Engine:
             )
         if params.stop and self.detokenize is None:
             raise ValueError("Engine.add_request: SamplingParams.stop needs an Engine built with detokenize=")
+        if params.n > self.max_batch_size:
+            raise ValueError(
+                f"Engine.add_request: SamplingParams.n={params.n} exceeds max_batch_size={self.max_batch_size}"
+            )
+        B = self.cache.block_size
+        max_blocks = self.cache.blocks_for(min(len(ids) + params.max_tokens, self.max_model_len))
+        shared = len(ids) // B
+        need = shared + params.n * (max_blocks - shared)
+        if need > self.cache.max_blocks:
+            raise ValueError(
+                f"Engine.add_request: needs up to {need * B} KV cache tokens (prompt {len(ids)}, max_tokens "
+                f"{params.max_tokens}, n {params.n}), over kv_cache_tokens={self.cache.max_blocks * B}"
+            )
+        keys: list[bytes] = []
+        for k in range(shared):  # hashed here, off the stepping thread
+            keys.append(block_key(keys[-1] if keys else None, ids[k * B : (k + 1) * B]))
         with self._lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             seed = (
@@ -161,19 +240,19 @@ class Engine:
                 if params.seed is not None
                 else int(torch.randint(2**62, (1,), generator=self._seeds))
             )
-            gen = None if params.greedy else torch.Generator().manual_seed(seed)
-            self._waiting.append(_Running(Completion(rid, ids, params), gen))
+            self._waiting.append(_Pending(rid, ids, params, seed, keys, need, max_blocks))
         return rid
 
     def abort(self, request_id: str) -> None:
-        """Finish a waiting or running request with reason "abort" at the next step."""
+        """Finish every sample of a waiting or running request with reason "abort" at the next step."""
         with self._lock:
             self._aborts.add(request_id)
 
     def call_between_steps(self, fn: Callable[[], Any]) -> Future:
         """Run `fn()` (under no_grad) on the stepping thread before the next step's work (e.g. loading new weights
         from k2-ckpt while serving); thread-safe. The returned Future holds its result or error.
-        Running requests keep their cache (computed with the old weights), as in vLLM."""
+        Running requests keep their cache (computed with the old weights), as in vLLM; the prefix cache is
+        flushed after the call, so no later request reuses rows of the old weights."""
         fut: Future = Future()
         with self._lock:
             self._between_steps.append((fn, fut))
@@ -185,10 +264,24 @@ class Engine:
 
     @property
     def num_running(self) -> int:
+        """Sequences (samples) in the batch."""
         return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission."""
+        return len(self._waiting)
 
     def cache_bytes_per_token(self) -> int:
         return self.cache.bytes_per_token()
+
+    def cache_usage(self) -> float:
+        """Fraction of the KV budget's blocks referenced by running sequences."""
+        return self.cache.num_used() / self.cache.max_blocks
+
+    def flush_prefix_cache(self) -> None:
+        """Forget cached prefixes (call on the stepping thread, e.g. inside `call_between_steps`)."""
+        self.cache.flush_prefix()
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[StepOutput]:
@@ -202,74 +295,174 @@ class Engine:
                         fut.set_result(fn())
                 except BaseException as e:
                     fut.set_exception(e)
+        if calls:  # weights may have changed: cached prefixes are stale
+            self.cache.flush_prefix()
         return self._step()
+
+    def _reserved(self) -> int:
+        """Blocks the running sequences may still allocate (their worst case)."""
+        return sum(max(s.max_blocks - len(s.table), 0) for s in self._running)
+
+    def _admit(self, r: _Pending) -> tuple[_Seq, int]:
+        """Give a request's first sample its blocks (cached prefix retained, the rest allocated); (seq, cached tokens)."""
+        B, P = self.cache.block_size, len(r.prompt)
+        hits = self.cache.lookup(r.keys) if self.enable_prefix_caching else []
+        hits = hits[: (P - 1) // B]  # at least one token is prefilled: its logits start the decode
+        for b in hits:
+            self.cache.retain(b)
+        table = hits + [self.cache.allocate() for _ in range(self.cache.blocks_for(P) - len(hits))]
+        c = Completion(r.request_id, r.prompt, r.params, num_cached_tokens=len(hits) * B)
+        gen = None if r.params.greedy else torch.Generator().manual_seed(r.seed)
+        seq = _Seq(c, gen, list(r.params.logits_processors), table, list(r.keys), r.max_blocks)
+        return seq, len(hits) * B
+
+    def _fork(self, parent: _Seq, r: _Pending, index: int) -> _Seq:
+        """Sample `index` of a prefilled request: the prompt's full blocks shared, the partial one copied."""
+        B, P = self.cache.block_size, len(r.prompt)
+        table = parent.table[: P // B]
+        for b in table:
+            self.cache.retain(b)
+        if P % B:
+            table = table + [self.cache.allocate()]
+            self.cache.copy_block(parent.table[P // B], table[-1], P % B)
+        c = Completion(
+            r.request_id,
+            r.prompt,
+            r.params,
+            index=index,
+            num_cached_tokens=parent.completion.num_cached_tokens,
+        )
+        gen = None if r.params.greedy else torch.Generator().manual_seed(sample_seed(r.seed, index))
+        procs = [fork_processor(p) for p in r.params.logits_processors]
+        return _Seq(c, gen, procs, table, list(parent.keys), r.max_blocks)
 
     @torch.inference_mode()
     def _step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
+        admitted: list[tuple[_Pending, _Seq, int]] = []
         with self._lock:
             aborts, self._aborts = self._aborts, set()
             kept = deque()
             for r in self._waiting:
-                if r.completion.request_id in aborts:
-                    outputs.append(self._finish_output(r, "abort", None))
+                if r.request_id in aborts:
+                    for i in range(r.params.n):
+                        c = Completion(r.request_id, r.prompt, r.params, index=i)
+                        c.finish_reason = "abort"
+                        outputs.append(StepOutput(r.request_id, [], [], [], "", True, "abort", c, i))
                 else:
                     kept.append(r)
             self._waiting = kept
-            admitted: list[_Running] = []
-            budget = self.max_prefill_tokens
-            while self._waiting and len(self._running) + len(admitted) < self.max_batch_size:
-                S = len(self._waiting[0].completion.prompt_token_ids)
-                if admitted and S > budget:
-                    break
-                budget -= S
-                admitted.append(self._waiting.popleft())
-        for slot in reversed(range(len(self._running))):
-            if self._running[slot].completion.request_id in aborts:
-                outputs.append(self._finish_output(self._running[slot], "abort", None))
-                self._release(slot)
+        if aborts:
+            for s in [s for s in self._running if s.completion.request_id in aborts]:
+                outputs.append(self._finish_output(s, "abort", None))
+                self._release(s)
 
         decoding = list(self._running)
-        rows, logits = [], []
+        with self._lock:  # admission: batch size, prefill budget, KV budget (worst case), in arrival order
+            budget, seqs = self.max_prefill_tokens, len(self._running)
+            while self._waiting:
+                r = self._waiting[0]
+                if seqs + r.params.n > self.max_batch_size or (admitted and len(r.prompt) > budget):
+                    break
+                if r.need_blocks > self.cache.num_available() - self._reserved():
+                    break
+                self._waiting.popleft()
+                seq, cached = self._admit(r)
+                self._running.append(seq)  # counted in _reserved from now on
+                admitted.append((r, seq, cached))
+                budget -= len(r.prompt) - cached
+                seqs += r.params.n
+
+        rows: list[_Seq] = []
+        logits = []
+        B = self.cache.block_size
         if decoding:
-            pos_n = torch.tensor([r.length - 1 for r in decoding], device=self.cache.device)
-            tokens_n = torch.tensor([r.completion.token_ids[-1] for r in decoding], device=self.cache.device)
-            self.cache.ensure(len(decoding), int(pos_n.max()) + 1)
-            logits.append(decode(self.model, self.cache, tokens_n, pos_n, self.attention))
+            for s in decoding:  # a sequence entering a new block gets it now
+                if (s.length - 1) // B == len(s.table):
+                    s.table.append(self.cache.allocate())
+            dev = self.cache.device
+            pos_n = torch.tensor([s.length - 1 for s in decoding], device=dev)
+            tokens_n = torch.tensor([s.completion.token_ids[-1] for s in decoding], device=dev)
+            logits.append(
+                decode(self.model, self.cache, tokens_n, pos_n, [s.table for s in decoding], self.attention)
+            )
             rows += decoding
+            for s in decoding:  # index blocks that just filled up
+                pos = s.length - 1
+                if self.enable_prefix_caching and (pos + 1) % B == 0 and len(s.keys) == pos // B:
+                    ids = s.completion.prompt_token_ids + s.completion.token_ids
+                    s.keys.append(block_key(s.keys[-1] if s.keys else None, ids[pos + 1 - B : pos + 1]))
+                    self.cache.register(s.table[pos // B], s.keys[-1])
         if admitted:
-            slots = list(range(len(self._running), len(self._running) + len(admitted)))
-            prompts = [r.completion.prompt_token_ids for r in admitted]
-            self.cache.ensure(slots[-1] + 1, max(len(p) for p in prompts))
-            logits.append(prefill(self.model, self.cache, prompts, slots))
-            self._running += admitted
-            rows += admitted
+            new = [r.prompt[cached:] for r, _, cached in admitted]
+            pre = prefill(
+                self.model,
+                self.cache,
+                new,
+                [cached for _, _, cached in admitted],
+                [s.table for _, s, _ in admitted],
+            )
+            for i, (r, seq, cached) in enumerate(admitted):
+                self.stats.requests_admitted += 1
+                self.stats.prompt_tokens += len(r.prompt)
+                self.stats.cached_tokens += cached
+                self.stats.prefilled_tokens += len(r.prompt) - cached
+                if self.enable_prefix_caching:
+                    for k, key in enumerate(r.keys):
+                        self.cache.register(seq.table[k], key)
+                forks = [self._fork(seq, r, j) for j in range(1, r.params.n)]
+                self._running += forks
+                rows += [seq, *forks]
+                logits.append(pre[i : i + 1].expand(r.params.n, -1))
         if not rows:
             return outputs
-        res = sample(torch.cat(logits), [r.completion.params for r in rows], [r.generator for r in rows])
+        logits_nN = torch.cat(logits)
+        failed: dict[int, str] = {}
+        for i, s in enumerate(rows):
+            for proc in s.processors:
+                try:
+                    logits_nN[i] = proc(list(s.completion.token_ids), logits_nN[i])
+                except Exception as e:  # one request's processor must not take the batch down
+                    log.warning("logits processor of %s failed: %r", s.completion.request_id, e)
+                    failed[i] = f"logits processor failed: {e!r}"
+                    logits_nN[i] = 0.0
+                    break
+        res = sample(logits_nN, [s.completion.params for s in rows], [s.generator for s in rows])
         tokens, lps, slps = res.tokens_n.tolist(), res.logprob_n.tolist(), res.sampled_logprob_n.tolist()
-        finished_slots = []
-        for i, r in enumerate(rows):
-            c = r.completion
+        for i, s in enumerate(rows):
+            c = s.completion
+            if i in failed:
+                c.error = failed[i]
+                outputs.append(self._finish_output(s, "abort", None))
+                self._release(s)
+                continue
             c.token_ids.append(tokens[i])
             c.logprobs.append(lps[i])
             c.sampled_logprobs.append(slps[i])
-            if c.params.top_logprobs:
-                c.top_logprobs.append(dict(zip(res.top_ids[i], res.top_logprobs[i])))
-            reason, stop_reason, delta = self._check_stop(r)
+            self.stats.generated_tokens += 1
+            top = [dict(zip(res.top_ids[i], res.top_logprobs[i]))] if c.params.top_logprobs else []
+            c.top_logprobs += top
+            reason, stop_reason, delta = self._check_stop(s)
             if reason is not None:
                 c.finish_reason, c.stop_reason = reason, stop_reason
-                finished_slots.append(i)  # rows are in slot order
+                self._release(s)
             outputs.append(
                 StepOutput(
-                    c.request_id, [tokens[i]], [lps[i]], [slps[i]], delta, reason is not None, reason, c
+                    c.request_id,
+                    [tokens[i]],
+                    [lps[i]],
+                    [slps[i]],
+                    delta,
+                    reason is not None,
+                    reason,
+                    c,
+                    c.index,
+                    top,
                 )
             )
-        for slot in reversed(finished_slots):
-            self._release(slot)
         return outputs
 
-    def _check_stop(self, r: _Running) -> tuple[str | None, int | str | None, str]:
+    def _check_stop(self, r: _Seq) -> tuple[str | None, int | str | None, str]:
         """Finish reason, stop reason and the text delta to stream after the newest token."""
         c = r.completion
         p = c.params
@@ -304,21 +497,19 @@ class Engine:
         delta, r.emitted_chars = c.text[r.emitted_chars : end], end
         return reason, stop_reason, delta
 
-    def _finish_output(self, r: _Running, reason: str, stop_reason: int | str | None) -> StepOutput:
+    def _finish_output(self, r: _Seq, reason: str, stop_reason: int | str | None) -> StepOutput:
         c = r.completion
         c.finish_reason, c.stop_reason = reason, stop_reason
         delta = c.text[r.emitted_chars :]
         r.emitted_chars = len(c.text)
-        return StepOutput(c.request_id, [], [], [], delta, True, reason, c)
+        return StepOutput(c.request_id, [], [], [], delta, True, reason, c, c.index)
 
-    def _release(self, slot: int) -> None:
-        """Free a slot, keeping slots dense: the last running sequence moves into it."""
-        last = len(self._running) - 1
-        if slot != last:
-            moved = self._running[last]
-            self.cache.move(last, slot, moved.length - 1)  # its newest token is not cached yet
-            self._running[slot] = moved
-        self._running.pop()
+    def _release(self, s: _Seq) -> None:
+        """A sequence leaves the batch: its blocks go back (indexed ones stay cached until evicted)."""
+        self.stats.samples_finished += 1
+        self._running.remove(s)
+        self.cache.release_all(s.table)
+        s.table = []
 
     # ------------------------------------------------------------------ convenience
     def generate(
@@ -326,15 +517,17 @@ class Engine:
         prompts: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
-        """Run the given prompts to completion (batched); completions in prompt order."""
+        """Run the given prompts to completion (batched); completions in prompt order, a prompt's n samples
+        consecutive (by index)."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"Engine.generate: {len(params)} SamplingParams for {len(prompts)} prompts")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        wanted, done = set(ids), {}
-        while len(done) < len(ids):
+        wanted = {(rid, i) for rid, sp in zip(ids, params) for i in range(sp.n)}
+        done: dict[tuple[str, int], Completion] = {}
+        while len(done) < len(wanted):
             for out in self.step():
-                if out.finished and out.request_id in wanted:
-                    done[out.request_id] = out.completion
-        return [done[i] for i in ids]
+                if out.finished and (out.request_id, out.index) in wanted:
+                    done[(out.request_id, out.index)] = out.completion
+        return [done[(rid, i)] for rid, sp in zip(ids, params) for i in range(sp.n)]

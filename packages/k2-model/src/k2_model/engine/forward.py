@@ -2,7 +2,7 @@
 
 Shape legend: T packed prefill tokens, n sequences, D hidden size, N vocabulary, R2 = R // 2.
 
-Uses the modules of a `K2ForCausalLM` (embeddings, norms, MLP/MoE, head) and replaces only the
+Tables are block tables of the paged `MLACache`. Uses the modules of a `K2ForCausalLM` (embeddings, norms, MLP/MoE, head) and replaces only the
 attention, which reads and writes the compressed cache. Logits are computed only at the
 positions that are sampled (the last prompt token; every decode token).
 """
@@ -15,7 +15,13 @@ import torch
 from torch import Tensor
 
 from k2_model.engine.cache import MLACache
-from k2_model.engine.decode import decode_attention_absorbed, decode_attention_expanded, prefill_attention
+from k2_model.engine.decode import (
+    DecodeIndex,
+    PrefillIndex,
+    decode_attention_absorbed,
+    decode_attention_expanded,
+    prefill_attention,
+)
 from k2_model.model import K2ForCausalLM
 from k2_model.rope import rope_cos_sin
 
@@ -28,19 +34,37 @@ def _mlp(layer: torch.nn.Module, h_TD: Tensor) -> Tensor:
 
 @torch.inference_mode()
 def prefill(
-    model: K2ForCausalLM, cache: MLACache, prompts: Sequence[Sequence[int]], slots: Sequence[int]
+    model: K2ForCausalLM,
+    cache: MLACache,
+    new_tokens: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    tables: Sequence[Sequence[int]],
 ) -> Tensor:
-    """Run fresh prompts (positions from 0) into their cache slots; fp32 logits [len(prompts), N] at each last token."""
-    lengths = [len(p) for p in prompts]
+    """Run each sequence's new tokens (from position `starts[i]`, after its cached prefix) into the blocks
+    of its table (covering every position it will hold); fp32 logits [len(new_tokens), N] at each last token."""
+    B = cache.block_size
     device = model.lm_head.weight.device
-    ids_T = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
-    pos_T = torch.cat([torch.arange(S, device=device) for S in lengths])
+    lengths = [len(p) for p in new_tokens]
+    ids_T = torch.tensor([t for p in new_tokens for t in p], dtype=torch.long, device=device)
+    pos = [s + j for s, S in zip(starts, lengths) for j in range(S)]
+    blk = [tables[i][p // B] for i, (s, S) in enumerate(zip(starts, lengths)) for p in range(s, s + S)]
+    pos_T = torch.tensor(pos, dtype=torch.long, device=device)
+    idx = PrefillIndex(
+        block_T=torch.tensor(blk, dtype=torch.long, device=device),
+        offset_T=pos_T % B,
+        starts=list(starts),
+        lengths=lengths,
+        prefix_tables=[
+            torch.tensor(t[: cache.blocks_for(s)], dtype=torch.long, device=device)
+            for s, t in zip(starts, tables)
+        ],
+    )
     inner = model.model
     cos_TR2, sin_TR2 = rope_cos_sin(inner.rope_inv_freq, pos_T, inner.rope_attention_factor)
     h_TD = inner.embed_tokens(ids_T)
     for i, layer in enumerate(inner.layers):
         h_TD = h_TD + prefill_attention(
-            layer.self_attn, layer.input_layernorm(h_TD), cos_TR2, sin_TR2, cache, i, list(slots), lengths
+            layer.self_attn, layer.input_layernorm(h_TD), cos_TR2, sin_TR2, cache, i, idx
         )
         h_TD = h_TD + _mlp(layer, h_TD)
     last_n = torch.tensor(lengths, device=device).cumsum(0) - 1
@@ -49,17 +73,30 @@ def prefill(
 
 @torch.inference_mode()
 def decode(
-    model: K2ForCausalLM, cache: MLACache, tokens_n: Tensor, pos_n: Tensor, attention: str = "absorbed"
+    model: K2ForCausalLM,
+    cache: MLACache,
+    tokens_n: Tensor,
+    pos_n: Tensor,
+    tables: Sequence[Sequence[int]],
+    attention: str = "absorbed",
 ) -> Tensor:
-    """One token per sequence in slots 0..n-1 at positions pos_n; fp32 logits [n, N]."""
+    """One token per sequence at positions pos_n (their rows go into `tables[i][pos // B]`); fp32 logits [n, N]."""
     attend = DECODE_ATTENTION[attention]
-    max_len = int(pos_n.max()) + 1
+    B, device = cache.block_size, pos_n.device
+    M = max(len(t) for t in tables)
+    pos = pos_n.tolist()
+    idx = DecodeIndex(
+        pos_n=pos_n,
+        block_n=torch.tensor([t[p // B] for t, p in zip(tables, pos)], dtype=torch.long, device=device),
+        offset_n=pos_n % B,
+        table_nM=torch.tensor(
+            [list(t) + [t[0]] * (M - len(t)) for t in tables], dtype=torch.long, device=device
+        ),
+    )
     inner = model.model
     cos_nR2, sin_nR2 = rope_cos_sin(inner.rope_inv_freq, pos_n, inner.rope_attention_factor)
     h_nD = inner.embed_tokens(tokens_n)
     for i, layer in enumerate(inner.layers):
-        h_nD = h_nD + attend(
-            layer.self_attn, layer.input_layernorm(h_nD), cos_nR2, sin_nR2, cache, i, pos_n, max_len
-        )
+        h_nD = h_nD + attend(layer.self_attn, layer.input_layernorm(h_nD), cos_nR2, sin_nR2, cache, i, idx)
         h_nD = h_nD + _mlp(layer, h_nD)
     return model.lm_head(inner.norm(h_nD)).float()

@@ -2,6 +2,11 @@
 
 Shape legend: n rows (requests in the step), N vocabulary.
 
+Logits processors (vLLM's per-request form): `proc(token_ids, logits_N) -> logits_N`, called in
+the batched step with the tokens generated so far and the row's raw logits (masking with -inf is
+how structured decoding constrains a request); a stateful processor implements `fork()` so each
+of a request's `n` samples gets its own state. Logprobs are those of the processed logits.
+
 Each row is drawn with its request's own `torch.Generator` (Gumbel-max over the processed
 log-probabilities: argmax(logp - log(-log u)), u ~ U(0, 1) from that generator), so a seeded
 request gets the same tokens whatever else is in the batch. Processing order (as vLLM): temperature,
@@ -13,7 +18,10 @@ then top-k, then top-p over what top-k kept. Two log-probabilities per sampled t
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -33,6 +41,9 @@ class SamplingParams:
     ignore_eos: bool = False  # do not stop on the engine's eos ids
     include_stop_str_in_output: bool = False
     top_logprobs: int = 0  # also return this many most likely tokens (raw logprobs) per step
+    n: int = 1  # samples of the prompt: prefilled once, decoded as n streams sharing its cache
+    # per-request logits processors, applied in the batched step before sampling (see LogitsProcessor)
+    logits_processors: list[Callable[[list[int], Tensor], Tensor]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,10 +74,31 @@ class SamplingParams:
             or self.top_logprobs < 0
         ):
             raise ValueError(f"SamplingParams.top_logprobs must be an int >= 0, got {self.top_logprobs!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
+        if not all(callable(p) for p in self.logits_processors):
+            raise ValueError(
+                "SamplingParams.logits_processors must be callables (token_ids, logits_N) -> logits_N"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded `seed`: sample 0 keeps the seed (so n = 1 and the
+    first of n agree), the others get a 62-bit hash of (seed, index)."""
+    if index == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}/{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
+
+
+def fork_processor(proc: Any) -> Any:
+    """A processor for another sample of the same request: `proc.fork()` when it keeps state, else itself."""
+    fork = getattr(proc, "fork", None)
+    return fork() if callable(fork) else proc
 
 
 def process_logits(logits_nN: Tensor, temperature_n: Tensor, top_k_n: Tensor, top_p_n: Tensor) -> Tensor:

@@ -1,7 +1,8 @@
 """EngineThread: drive an Engine from a background thread and stream each request's outputs.
 
 A server submits requests from any thread (or an asyncio loop, via `loop.run_in_executor` or by
-polling) and reads `StepOutput`s from the request's queue; the last one has `finished=True`.
+polling) and reads `StepOutput`s from the request's queue; a request with `n` samples puts the
+outputs of all of them (`StepOutput.index`) on one queue, the last of each has `finished=True`.
 The thread sleeps while there is nothing to do.
 """
 
@@ -24,6 +25,7 @@ class EngineThread:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._queues: dict[str, queue.Queue[StepOutput | BaseException]] = {}
+        self._unfinished: dict[str, int] = {}  # samples of each request still running
         self._wake = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="k2-engine", daemon=True)
@@ -40,10 +42,12 @@ class EngineThread:
         if rid in self._queues:
             raise ValueError(f"EngineThread.submit: request_id {rid!r} is already running")
         self._queues[rid] = q  # before the engine can step it
+        self._unfinished[rid] = params.n if params is not None else 1
         try:
             self.engine.add_request(prompt_token_ids, params, rid)
         except BaseException:
             self._queues.pop(rid, None)
+            self._unfinished.pop(rid, None)
             raise
         with self._wake:
             self._wake.notify()
@@ -80,10 +84,14 @@ class EngineThread:
                 for q in list(self._queues.values()):
                     q.put(e)
                 self._queues.clear()
+                self._unfinished.clear()
                 raise
             for out in outs:
                 q = self._queues.get(out.request_id)
                 if q is not None:
                     q.put(out)
                     if out.finished:
-                        self._queues.pop(out.request_id, None)
+                        self._unfinished[out.request_id] -= 1
+                        if self._unfinished[out.request_id] == 0:
+                            self._queues.pop(out.request_id, None)
+                            self._unfinished.pop(out.request_id, None)
