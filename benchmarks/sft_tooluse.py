@@ -6,7 +6,7 @@ guided decoding forcing a call) at temperature 0. A case counts only when the to
 parsed arguments equal the reference, and a no-tool prompt gets no call. The baseline is the same
 server on the preset's random init with the same seed (`k2 serve --preset tiny --seed S`).
 
-    python benchmarks/sft_tooluse.py [--seeds 0 1 2] [--steps 300] [--out runs/sft-tooluse]
+    python benchmarks/sft_tooluse.py [--seeds 0 1 2] [--steps 300] [--out runs/sft-tooluse] [--device cuda]
 
 Writes OUT/results.json and prints the markdown table that goes into packages/k2-train/README.md.
 """
@@ -145,6 +145,7 @@ def main() -> int:
     )
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--sft-args", default="", help="extra flags for k2 sft, e.g. '--lr 0.02 --batch 16'")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda: where k2 sft trains and k2 serve serves")
     args = ap.parse_args()
 
     from k2_train.data import tooluse_example_dir
@@ -170,15 +171,17 @@ def main() -> int:
                 "--out",
                 str(run),
                 "--json",
+                "--device",
+                args.device,
                 *args.sft_args.split(),
             )
         elif _steps_done(run) < args.steps:  # a run stopped part-way: continue it exactly
             k2("sft", "--resume", str(run), "--json")
         train_s = time.perf_counter() - t0
         k2("export", str(run), "--out", str(hf))
-        with Server("--model", str(hf)) as srv:
+        with Server("--model", str(hf), "--device", args.device) as srv:
             sft = evaluate(srv.url, heldout, args.max_tokens)
-        with Server("--preset", "tiny", "--seed", str(seed)) as srv:
+        with Server("--preset", "tiny", "--seed", str(seed), "--device", args.device) as srv:
             base = evaluate(srv.url, heldout, args.max_tokens)
         metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         rows.append(
@@ -205,6 +208,10 @@ def main() -> int:
         machine += f", {os.cpu_count()} cores"
     except (OSError, StopIteration):
         pass
+    if args.device.startswith("cuda"):
+        import torch
+
+        machine += f"; trained and served on {torch.cuda.get_device_name(0)}"
     summary = {
         "machine": machine,
         "steps": args.steps,
