@@ -50,6 +50,36 @@ def test_temperature_decay_and_prompt_draws_are_functions_of_the_iteration():
     assert draw_prompts(tasks, 8, seed=3, iteration=5) != a
 
 
+def test_rollout_prefills_each_prompt_once_for_its_k_samples():
+    """K samples of a prompt share one prefill (the engine's n), and sample i is the single
+    request seeded sample_seed(derive_seed(seed, prompt index), i): parallel sampling changes the
+    cost, not the samples."""
+    from k2_model import K2Config, K2ForCausalLM
+    from k2_model.engine import SamplingParams
+    from k2_model.engine.sampling import sample_seed
+    from k2_rl.rollout import Rollout, derive_seed
+
+    torch.manual_seed(0)
+    model = K2ForCausalLM(K2Config.preset("tiny", **SMALL)).eval()
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    rollout = Rollout(model, eos_token_ids=[], max_batch_size=16)
+    try:
+        out = rollout.generate(prompts, n=4, temperature=1.0, max_tokens=5, seed=3)
+        stats = rollout.engine.stats
+        assert stats.prefilled_tokens + stats.cached_tokens == sum(map(len, prompts))  # once per prompt
+        assert [len(s) for s in out] == [4, 4]
+        assert len({tuple(s.token_ids) for s in out[0]}) > 1  # seeded samples differ
+        for p, prompt in enumerate(prompts):
+            for i in (0, 3):
+                params = SamplingParams(max_tokens=5, temperature=1.0, seed=sample_seed(derive_seed(3, p), i))
+                _, q = rollout.thread.submit(prompt, params)  # the engine's own thread steps it
+                while not (item := q.get(timeout=600)).finished:
+                    pass
+                assert item.completion.token_ids == out[p][i].token_ids
+    finally:
+        rollout.close()
+
+
 def test_worker_runs_in_another_process_and_receives_weights_through_parameter_server(tmp_path):
     """A rollout worker started from weights A, then synced to weights B with
     ParameterServer.update, generates exactly what B generates in this process."""

@@ -2,9 +2,10 @@
 weights arriving through k2-ckpt.
 
 * `Rollout`: an Engine driven by an EngineThread in this process. `generate(prompts, n, ...)`
-  queues n seeded requests per prompt (the engine batches them all; seeds are derived from the
-  call's seed, the prompt's index and the sample's index, so a call's samples are the same
-  whatever else runs and whatever the order of completion). Per-token log-probs under the raw
+  queues one request with n samples per prompt (the engine prefills each prompt once and
+  decodes its n samples from the shared cache; seeds are derived from the call's seed, the
+  prompt's index and the sample's index, so a call's samples are the same whatever else runs
+  and whatever the order of completion). Per-token log-probs under the raw
   model distribution come back with the tokens (logged against the trainer's own log-probs).
 * `make_app(rollout)`: the worker's HTTP API (FastAPI): `GET /health`, `POST /generate`, and
   k2-ckpt's receiver mounted at `/ckpt`, whose loads run between two engine steps
@@ -83,23 +84,27 @@ class Rollout:
 
         if n < 1:
             raise ValueError(f"generate: n must be >= 1, got {n}")
+        # one request per prompt with n samples: the engine prefills the prompt once and decodes
+        # the n streams from its cache; sample i is seeded sample_seed(derive_seed(seed, p), i)
         pending = []
         for p, prompt in enumerate(prompts):
-            for i in range(n):
-                params = SamplingParams(
-                    max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=derive_seed(seed, p, i)
-                )
-                pending.append(self.thread.submit(prompt, params))
-        out: list[list[Sample]] = [[] for _ in prompts]
-        for k, (_, q) in enumerate(pending):
-            while True:
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=derive_seed(seed, p), n=n
+            )
+            pending.append(self.thread.submit(prompt, params))
+        out: list[list[Sample]] = []
+        for _, q in pending:
+            samples: list[Sample | None] = [None] * n
+            while any(s is None for s in samples):
                 item = q.get(timeout=3600)
                 if isinstance(item, BaseException):
                     raise RuntimeError(f"rollout engine failed: {item!r}") from item
                 if item.finished:
                     c = item.completion
-                    out[k // n].append(Sample(list(c.token_ids), list(c.logprobs), c.finish_reason or "stop"))
-                    break
+                    samples[item.index] = Sample(
+                        list(c.token_ids), list(c.logprobs), c.finish_reason or "stop"
+                    )
+            out.append(samples)  # in sample order, whatever the order of completion
         return out
 
     def loader(self):
