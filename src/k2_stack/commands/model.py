@@ -1,17 +1,23 @@
 """`k2 model ...`: model utilities. `k2 model stats` prints the cost model (k2_model.stats) as tables.
 
 k2 model stats --preset kimi-k2 --compare deepseek-v3 [--context 131072] [--ep 128] [--json]
+               [--train-world 256 --train-ep 16 --tokens-per-rank 4096]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
 
 DEFAULT_CONTEXT = 131072
 DEFAULT_EP = 128
+# Training communication: K2's EP16 over 256 GPUs (FSDP2 x EP here; the paper adds PP16 and ZeRO-1)
+DEFAULT_TRAIN_WORLD = 256
+DEFAULT_TRAIN_EP = 16
+DEFAULT_TOKENS_PER_RANK = 4096
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -53,6 +59,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help=f"expert-parallel ranks (default {DEFAULT_EP}, capped at the config's n_routed_experts)",
     )
+    stats.add_argument(
+        "--train-world",
+        type=int,
+        default=DEFAULT_TRAIN_WORLD,
+        help=f"training ranks for the communication model (default {DEFAULT_TRAIN_WORLD})",
+    )
+    stats.add_argument(
+        "--train-ep",
+        type=int,
+        default=None,
+        help=f"training expert parallelism (`k2 pretrain --ep`; default {DEFAULT_TRAIN_EP}, capped at "
+        "n_routed_experts)",
+    )
+    stats.add_argument(
+        "--tokens-per-rank",
+        type=int,
+        default=DEFAULT_TOKENS_PER_RANK,
+        help=f"tokens per rank per micro-batch for the communication model (default {DEFAULT_TOKENS_PER_RANK})",
+    )
     stats.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     stats.set_defaults(func=run_stats, _parser=stats)
 
@@ -93,6 +118,16 @@ def run_stats(args: argparse.Namespace) -> int:
         if not 1 <= ep <= min(experts):
             parser.error(f"--ep must be between 1 and n_routed_experts ({min(experts)}), got {ep}")
 
+    train_ep = args.train_ep if args.train_ep is not None else min(DEFAULT_TRAIN_EP, cfg.n_routed_experts)
+    if args.train_world < 1 or args.tokens_per_rank < 1:
+        parser.error("--train-world and --tokens-per-rank must be positive")
+    if train_ep < 1 or args.train_world % train_ep or cfg.n_routed_experts % train_ep:
+        parser.error(
+            f"--train-ep {train_ep} must divide --train-world {args.train_world} and "
+            f"n_routed_experts ({cfg.n_routed_experts})"
+        )
+    comm = _train_comm(cfg, args.tokens_per_rank, args.train_world, train_ep)
+
     a = model_stats(cfg, context=args.context, ep=ep, name=name)
     b = model_stats(other, context=args.context, ep=ep, name=other_name) if other is not None else None
     comparisons = (
@@ -102,6 +137,10 @@ def run_stats(args: argparse.Namespace) -> int:
     if args.json:
         obj = a.to_dict()
         obj["context"], obj["ep"] = args.context, ep
+        obj["train_comm"] = {
+            label: {**dataclasses.asdict(c), "a2a_bytes_per_token": c.a2a_bytes_per_token}
+            for label, c in comm.items()
+        }
         if b is not None:
             obj["compare"] = b.to_dict()
             obj["comparisons"] = [
@@ -124,7 +163,49 @@ def run_stats(args: argparse.Namespace) -> int:
         return 0
 
     print_report(a, b, comparisons, context=args.context, ep=ep)
+    print_comm(name, comm)
     return 0
+
+
+def _train_comm(cfg: Any, tokens: int, world: int, ep: int) -> dict[str, Any]:
+    """The bf16 training step's communication (fp32 gradient reduction), FSDP-only vs FSDP x EP."""
+    from k2_model.stats import train_comm_bytes
+
+    out = {"FSDP2": train_comm_bytes(cfg, tokens, world, 1, act_bytes=2, param_bytes=2)}
+    if ep > 1:
+        out[f"FSDP2 x EP{ep}"] = train_comm_bytes(cfg, tokens, world, ep, act_bytes=2, param_bytes=2)
+    return out
+
+
+def print_comm(name: str, comm: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=None if sys.stdout.isatty() else 110)
+    first = next(iter(comm.values()))
+    t = Table(
+        title=f"Training communication per rank per micro-batch of {first.tokens_per_rank:,} tokens, "
+        f"{first.world} ranks ({name}; bf16 compute, fp32 gradient reduce-scatter)",
+        title_justify="left",
+        title_style="bold",
+    )
+    t.add_column("bytes sent or received", ratio=1)
+    for label in comm:
+        t.add_column(label, justify="right", no_wrap=True)
+    rows = [
+        ("EP all-to-all (dispatch + combine, fwd + bwd)", "a2a_bytes"),
+        ("  of which to other ranks (balanced routing)", "a2a_offrank_bytes"),
+        ("FSDP all-gather (fwd + bwd)", "fsdp_all_gather_bytes"),
+        ("FSDP reduce-scatter (fp32 grads)", "fsdp_reduce_scatter_bytes"),
+        ("[b]total", "total_bytes"),
+    ]
+    for label, attr in rows:
+        t.add_row(label, *[_num(getattr(c, attr), "bytes") for c in comm.values()])
+    t.add_row("all-to-all bytes per token", *[f"{c.a2a_bytes_per_token:,.0f} B" for c in comm.values()])
+    con.print(t)
+    con.print(
+        "The model and its comparison with K2's setup: packages/k2-model/README.md (Expert parallelism)."
+    )
 
 
 # ---------------------------------------------------------------------------------- rendering

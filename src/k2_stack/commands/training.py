@@ -35,6 +35,7 @@ FLAGS = [
     ("threads", int, "torch threads (0 = torch's default)"),
     ("dtype", str, "auto (fp32 on CPU, bf16 on GPU), fp32 or bf16"),
     ("device", str, "auto, cpu or cuda"),
+    ("ep", int, "expert parallelism under torchrun: routed experts split over N ranks (FSDP2 x EP)"),
 ]
 # Flags a resumed run may change: they do not change what is computed.
 RESUME_MAY_CHANGE = {"threads", "stop_at", "device"}

@@ -79,15 +79,22 @@ class RoutedExperts(nn.Module):
         self.use_k2_kernel = _kops.preferred("moe_swiglu_experts", "cpu")
 
     def forward(self, x_ND: Tensor, offsets_E: Tensor) -> Tensor:
+        # Under expert parallelism (k2_model.expert_parallel) the weights are DTensors sharded by
+        # expert and the rows/offsets are those of this rank's experts: compute on the local part.
+        gate, up, down = (_local(p) for p in (self.gate_proj, self.up_proj, self.down_proj))
         if self.use_k2_kernel:
             # fp32 CPU: one kernel per direction runs each expert's three GEMMs and the activation
             # while its rows are in cache (experts in parallel); elsewhere the composition below.
-            return _kops.moe_swiglu_experts(x_ND, self.gate_proj, self.up_proj, self.down_proj, offsets_E)
+            return _kops.moe_swiglu_experts(x_ND, gate, up, down, offsets_E)
         # Separate gate and up GEMMs: concatenating the weights on the fly would copy all experts'
         # weights (and their gradients) every step, which costs more on CPU than the extra launch.
-        gate_NI = torch._grouped_mm(x_ND, self.gate_proj.transpose(-1, -2), offs=offsets_E)
-        up_NI = torch._grouped_mm(x_ND, self.up_proj.transpose(-1, -2), offs=offsets_E)
-        return torch._grouped_mm(F.silu(gate_NI) * up_NI, self.down_proj.transpose(-1, -2), offs=offsets_E)
+        gate_NI = torch._grouped_mm(x_ND, gate.transpose(-1, -2), offs=offsets_E)
+        up_NI = torch._grouped_mm(x_ND, up.transpose(-1, -2), offs=offsets_E)
+        return torch._grouped_mm(F.silu(gate_NI) * up_NI, down.transpose(-1, -2), offs=offsets_E)
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class MoE(nn.Module):

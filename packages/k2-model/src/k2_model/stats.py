@@ -473,3 +473,102 @@ def seed_comparisons(
         note="the seed: equal for K2 and V3, so decode attention costs the same",
     ))  # fmt: skip
     return out
+
+
+# ---------------------------------------------------------------------------------- training communication
+@dataclass(frozen=True)
+class TrainCommBytes:
+    """Bytes one rank moves per training step (forward + backward) under FSDP2 x EP.
+
+    All-to-all (expert parallelism, k2_model.expert_parallel): per MoE layer and forward, the
+    rank's tokens x K rows go out (dispatch) and come back (combine), and backward sends the
+    gradients of both: 4 x T x K rows of D activations per layer, plus 2 more per recomputed
+    forward (activation checkpointing). That total is exact whatever the routing, averaged over
+    the ranks (a rank sends its own T x K rows and the rows its experts received; the two are
+    equal on average, and on each rank when routing is balanced). Of those rows 1/ep stay on the
+    rank under balanced routing (`a2a_offrank_bytes` = the rest). The per-expert counts (E int64)
+    are exchanged once per MoE layer and forward.
+
+    FSDP2 (ring collectives, (n-1)/n of the gathered size per rank): each decoder layer's
+    parameters are all-gathered in forward and again in backward (resharded after forward; the
+    root's embeddings, final norm and head once), and each gradient reduce-scattered once in
+    fp32. Non-expert parameters over all `world` ranks; under EP the routed experts over
+    world / ep ranks, each gathering only its E / ep experts.
+    """
+
+    world: int
+    ep: int
+    tokens_per_rank: int
+    a2a_bytes: int
+    a2a_offrank_bytes: int
+    a2a_count_bytes: int
+    fsdp_all_gather_bytes: int
+    fsdp_reduce_scatter_bytes: int
+
+    @property
+    def a2a_bytes_per_token(self) -> float:
+        return self.a2a_bytes / max(self.tokens_per_rank, 1)
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.a2a_bytes
+            + self.a2a_count_bytes
+            + self.fsdp_all_gather_bytes
+            + self.fsdp_reduce_scatter_bytes
+        )
+
+
+def train_comm_bytes(
+    cfg: K2Config,
+    tokens_per_rank: int,
+    world: int,
+    ep: int = 1,
+    act_bytes: int = 4,
+    param_bytes: int = 4,
+    grad_bytes: int = 4,
+    recomputed_moe_layers: int = 0,
+) -> TrainCommBytes:
+    """The communication model of one training step on one rank (see TrainCommBytes).
+
+    `act_bytes` / `param_bytes`: the compute dtype's size (2 for bf16 mixed precision);
+    `grad_bytes`: the reduce dtype's (4: fp32 reduce-scatter); `recomputed_moe_layers`: MoE
+    layers whose forward runs again in backward (activation checkpointing)."""
+    if ep < 1 or world % ep:
+        raise ValueError(f"ep={ep} must divide world={world}")
+    b = param_breakdown(cfg)
+    n_moe = num_moe_layers(cfg)
+    D, K, E = cfg.hidden_size, cfg.num_experts_per_tok, cfg.n_routed_experts
+    forwards = n_moe + recomputed_moe_layers
+    if ep > 1:
+        rows = tokens_per_rank * K * (2 * forwards + 2 * n_moe)
+        a2a = rows * D * act_bytes
+        offrank = a2a * (ep - 1) // ep
+        counts = forwards * E * 8
+    else:
+        a2a = offrank = counts = 0
+
+    def ring(n: int) -> float:
+        return (n - 1) / n if n > 1 else 0.0
+
+    routed = b.routed_experts.total
+    root = b.embeddings.total + b.lm_head.total + cfg.hidden_size  # final norm
+    layered = b.total_params - routed - root
+    gather = (2 * layered + root) * ring(world) * param_bytes
+    scatter = (layered + root) * ring(world) * grad_bytes
+    if ep > 1:  # each rank holds E / ep experts, sharded over the world / ep ranks of dp_shard_mod_ep
+        gather += 2 * routed / ep * ring(world // ep) * param_bytes
+        scatter += routed / ep * ring(world // ep) * grad_bytes
+    else:
+        gather += 2 * routed * ring(world) * param_bytes
+        scatter += routed * ring(world) * grad_bytes
+    return TrainCommBytes(
+        world=world,
+        ep=ep,
+        tokens_per_rank=tokens_per_rank,
+        a2a_bytes=int(a2a),
+        a2a_offrank_bytes=int(offrank),
+        a2a_count_bytes=int(counts),
+        fsdp_all_gather_bytes=int(gather),
+        fsdp_reduce_scatter_bytes=int(scatter),
+    )

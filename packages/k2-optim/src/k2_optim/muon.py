@@ -39,20 +39,23 @@ def local_view(p: Tensor, u: Tensor) -> tuple[Tensor, Tensor, bool]:
     """(local param storage, local update, whether the local part holds whole matrices).
 
     Plain tensors and replicated DTensors hold whole matrices; a DTensor sharded on a leading
-    batch dim (stacked experts [E, O, I] under FSDP2's Shard(0)) holds whole experts; a 2-D
+    batch dim (stacked experts [E, O, I] under FSDP2's Shard(0), or under FSDP2 x expert
+    parallelism, whose 2-D placement is (_StridedShard(0), Shard(0))) holds whole experts; a 2-D
     weight sharded on its rows does not, and goes through the gather-to-owner path.
     """
     if not hasattr(p, "to_local"):
         return p, u, True
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     placements = p.placements
     for pl in placements:
-        if not isinstance(pl, (Shard, Replicate)):
+        if not isinstance(pl, (Shard, _StridedShard, Replicate)):
             raise ValueError(f"Muon: DTensor placement {pl} is not supported (Shard or Replicate only)")
-    shard_dims = [pl.dim % p.ndim for pl in placements if isinstance(pl, Shard)]
+    shard_dims = [pl.dim % p.ndim for pl in placements if isinstance(pl, (Shard, _StridedShard))]
     whole = all(d < p.ndim - 2 for d in shard_dims)
-    if not whole and (len(shard_dims) != 1 or shard_dims[0] != p.ndim - 2 or p.ndim != 2):
+    strided = any(isinstance(pl, _StridedShard) for pl in placements)
+    if not whole and (strided or len(shard_dims) != 1 or shard_dims[0] != p.ndim - 2 or p.ndim != 2):
         raise ValueError(
             f"Muon: DTensor of shape {tuple(p.shape)} with placements {placements}: only row sharding "
             "(Shard(0)) of 2-D matrices or sharding of the leading (expert) dim of stacked matrices is supported"

@@ -106,6 +106,9 @@ class PretrainConfig(RunConfig):
     log_post_clip_logit: bool = False
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 on GPU
     device: str = "auto"
+    # Expert parallelism under torchrun: routed experts split over this many ranks (each holds
+    # n_routed_experts / ep whole experts; tokens reach them by all-to-all), FSDP2 over all ranks.
+    ep: int = 1
 
     task = "pretrain"  # a class attribute: which entry point's config this is
 
@@ -137,6 +140,22 @@ class PretrainConfig(RunConfig):
         need(self.attention in ("auto", "fused", "sdpa", "eager"), "attention", "auto, fused, sdpa or eager")
         need(self.packing in PACKINGS, "packing", " or ".join(PACKINGS))
         need(self.stop_at >= 0, "stop_at", ">= 0")
+        need(self.ep >= 1, "ep", ">= 1")
+
+    def validate_layout(self, world_size: int, n_routed_experts: int) -> None:
+        """`ep` against the process count and the model (known once the run has started)."""
+        if self.ep == 1:
+            return
+        if world_size % self.ep:
+            raise ValueError(
+                f"{self.task} config: ep={self.ep}: expected a divisor of the number of processes "
+                f"({world_size}); start torchrun with a multiple of {self.ep} processes"
+            )
+        if n_routed_experts % self.ep:
+            raise ValueError(
+                f"{self.task} config: ep={self.ep}: expected a divisor of the model's "
+                f"n_routed_experts={n_routed_experts} (each rank holds whole experts)"
+            )
 
     def trainer_config(self):
         from k2_train.trainer import TrainerConfig

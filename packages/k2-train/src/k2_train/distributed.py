@@ -84,6 +84,13 @@ def to_float(t: torch.Tensor) -> float:
     return float(t)
 
 
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """Clip by the global gradient norm; gradients may be DTensors on several meshes (FSDP2 x EP)."""
+    from k2_model.parallelize import clip_grad_norm_
+
+    return clip_grad_norm_(params, max_norm)
+
+
 def full_model_state_dict(model: nn.Module, info: DistInfo) -> dict[str, torch.Tensor]:
     """The whole model's state on CPU (a collective under FSDP2; the full dict lands on rank 0)."""
     if not info.enabled:

@@ -119,11 +119,13 @@ def _run(
     # model, optimizer, schedule
     model = build_model(cfg, train_ds.vocab_size, device)
     model.train()
+    cfg.validate_layout(info.world_size, model.config.n_routed_experts)
     parallelize(
         model,
         data_parallel=info.enabled,
         compute_dtype=dtype,
         activation_checkpointing=cfg.activation_checkpointing,
+        ep=cfg.ep,
     )
     optimizer = build_optimizer(cfg, model)
     scheduler = build_schedule(cfg, optimizer)
@@ -153,6 +155,7 @@ def _run(
         },
         info=info,
         meta={"config": cfg.to_dict(), "task": cfg.task, "model_config": model.config.to_hf()},
+        layout={"ep": cfg.ep},
     )
     if resume:
         state.load()
@@ -163,7 +166,8 @@ def _run(
         f"(lr {cfg.lr:g}, wd {cfg.weight_decay:g}"
         + (f", tau {cfg.tau:g}" if cfg.optimizer == "muonclip" else "")
         + f"), {cfg.steps} steps x {cfg.batch} x {cfg.seq_len} tokens on {device} ({str(dtype).split('.')[-1]})"
-        + (f" x {info.world_size} processes (FSDP2)" if info.enabled else "")
+        + (f" x {info.world_size} processes (FSDP2)" if info.enabled and cfg.ep == 1 else "")
+        + (f" x {info.world_size} processes (FSDP2 x EP{cfg.ep})" if cfg.ep > 1 else "")
         + "; "
         f"data {tokenized} ({len(train_ds)} train / {len(val_ds) if val_ds else 0} val samples per epoch); "
         f"run dir {run_dir}"

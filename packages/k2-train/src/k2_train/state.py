@@ -6,7 +6,7 @@ component has `state_dict()` / `load_state_dict()`; `ModelState`, `OptimizerStat
 adapt the ones that need the process group or the global RNG.
 
 On disk: `RUN/state/step_NNNNNN/state.pt` holding `{"format", "version", "step", "world_size",
-"meta", "components": {name: state_dict}}`. A save is written under a temporary name and renamed
+"layout", "meta", "components": {name: state_dict}}`. A save is written under a temporary name and renamed
 into place, then `RUN/state/latest` (a one-line file, itself replaced atomically) names it, so an
 interrupt at any moment leaves the previous state or the new one, never half of one. Under FSDP2
 the model and optimizer are gathered to full, name-keyed state dicts on rank 0 (a collective every
@@ -129,12 +129,16 @@ class TrainState:
         info: dd.DistInfo = dd.SINGLE_PROCESS,
         meta: dict[str, Any] | None = None,
         keep: int = 2,
+        layout: dict[str, int] | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.components = components
         self.info = info
         self.meta = meta or {}
         self.keep = keep
+        # Parallel layout beyond the process count (e.g. {"ep": 2}): saved, and a resume with
+        # another layout is refused by name.
+        self.layout = dict(layout or {})
 
     def save(self, step: int) -> Path | None:
         """Every rank calls this (the state dicts may be collectives); rank 0 writes. Returns the
@@ -144,6 +148,7 @@ class TrainState:
             "version": VERSION,
             "step": int(step),
             "world_size": self.info.world_size,
+            "layout": self.layout,
             "meta": self.meta,
             "components": {name: c.state_dict() for name, c in self.components.items()},
         }
@@ -173,14 +178,22 @@ class TrainState:
     def load(self, path: str | Path | None = None) -> int:
         """Restore every component from `path` (default: the run's latest state); returns the step.
 
-        Refuses a state written by a different number of processes, and one that lacks a
-        component this run has (naming it)."""
+        Refuses a state written by a different number of processes or layout (`--ep`), and one
+        that lacks a component this run has (naming it)."""
         path = Path(path) if path is not None else self.latest()
         if path is None:
             raise FileNotFoundError(
                 f"{self.run_dir}: no complete train state under {state_root(self.run_dir)}"
             )
         state = read_state(path)
+        saved_layout = state.get("layout", {})
+        for key in sorted(set(saved_layout) | set(self.layout)):
+            was, now = saved_layout.get(key, 1), self.layout.get(key, 1)
+            if was != now:
+                raise ValueError(
+                    f"{path}: the state was written with --{key} {was}; resume it with the same "
+                    f"layout (now --{key} {now})"
+                )
         if int(state["world_size"]) != self.info.world_size:
             raise ValueError(
                 f"{path}: the state was written by {state['world_size']} process(es); "

@@ -168,9 +168,7 @@ class Trainer:
             max_logit = dd.all_reduce_scalar(
                 float(model.attention_max_logits().max()), "max", info, self.device
             )
-        grad_norm = dd.to_float(
-            torch.nn.utils.clip_grad_norm_(model.parameters(), self.config.grad_clip or math.inf)
-        )
+        grad_norm = dd.clip_grad_norm(list(model.parameters()), self.config.grad_clip or math.inf)
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
