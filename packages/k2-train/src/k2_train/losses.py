@@ -13,6 +13,8 @@ position t (-100 = not trained); the other keys are the model's forward argument
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Protocol
 
 import torch
@@ -49,8 +51,9 @@ class NextTokenLoss:
 
     Pretraining: every token of the packed stream is a label. SFT: the same loss; the data's
     loss mask has already turned the labels of untrained tokens (system, user, tool results) into
-    -100, so this is the masked cross-entropy. The model needs a `logits_mask` argument (the
-    head applied only at trained positions), as K2ForCausalLM has."""
+    -100, so this is the masked cross-entropy. A model whose forward takes `logits_mask` (as
+    K2ForCausalLM does) applies its head only at the trained positions; any other model's full
+    logits are selected there."""
 
     name = "next_token"
 
@@ -59,9 +62,23 @@ class NextTokenLoss:
 
     def __call__(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
         # The head only where a token is trained (SFT: ~5% of positions): same loss, less compute.
+        # A model without `logits_mask` (any nn.Module returning .logits) gives [B, S, N]: select.
         trained_BS = batch["shift_labels"] != IGNORE_INDEX
-        logits_KN = model(**model_inputs(batch), logits_mask=trained_BS).logits
+        inputs = model_inputs(batch)
+        if _takes_logits_mask(type(model)):
+            inputs["logits_mask"] = trained_BS
+        logits = model(**inputs).logits
+        logits_KN = logits[trained_BS] if logits.dim() == 3 else logits
         return F.cross_entropy(logits_KN.float(), batch["shift_labels"][trained_BS], reduction="sum")
+
+
+@functools.cache
+def _takes_logits_mask(model_type: type) -> bool:
+    """Whether `model_type.forward` names a `logits_mask` parameter (K2ForCausalLM does)."""
+    try:
+        return "logits_mask" in inspect.signature(model_type.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def mean_loss(loss: Loss, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
