@@ -1,20 +1,25 @@
 """Load test of `k2 serve` (and, with `--anchor transformers`, of `transformers serve` on the same model).
 
     .venv/bin/python benchmarks/serve_load.py [--model DIR | --preset tiny] [--clients 8] [--requests 32]
-        [--max-tokens 32] [--threads 2] [--anchor none|transformers]
+        [--max-tokens 32] [--threads 2] [--followups 5] [--anchor none|transformers]
 
 Workload (fixed by `--seed`): chat requests sharing one system prompt, multi-turn histories (turn k
 resends turns 1..k-1, as agents do), every fourth request with tools; sent by `--clients`
 concurrent clients, streamed (`stream_options.include_usage`). Reported per server: output
 tokens/s (completion tokens / wall time of the whole run), time to first token and inter-token
-latency (p50 / p99, client side), and the prefix-cache hit rate from `/metrics`. Then the
-follow-up test: a conversation of >= 1,000 tokens is sent once, then a follow-up adding <= 64
-tokens; its time to first token with prefix caching against `--no-prefix-caching` (median of 5).
+latency (p50 / p99, client side), and the prefix-cache hit rate of the load run (from the
+`/metrics` counters; transformers serve has no prefix cache). Each server first answers one
+warm-up request, not measured. Then the follow-up test: a conversation of >= 1,000 tokens is
+sent once, then a follow-up adding <= 64 tokens; its time to first token with prefix caching
+against `--no-prefix-caching` (median of `--followups`).
 
-`--preset tiny` saves the preset's random weights (seed 0) with the shipped tokenizer into a
-temporary HF-format dir so both servers load the same files. transformers serve runs one request
-at a time (its `--continuous-batching` fails on MLA in transformers 5.24); it is skipped, with the
-reason printed, when it does not start.
+`--preset tiny` saves the preset's random weights (seed 0) with the shipped tokenizer and the Kimi
+chat template (`k2_data.chat.template`, what `k2 export` writes) into a temporary HF-format dir, so
+both servers load the same files and prompt the model identically. transformers serve (the
+`transformers serve` CLI, model preloaded) runs one request at a time (its `--continuous-batching`
+fails on MLA in transformers 5.24); with `--anchor transformers` the script fails, printing the
+tail of its log, when it does not start or answers with an error, and asserts that every output is
+non-empty.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import random
 import socket
 import statistics
@@ -71,12 +77,35 @@ def workload(n: int, seed: int) -> list[dict]:
     return out
 
 
+def machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"{cpu}, {len(os.sched_getaffinity(0))} cores usable, load average {load:.1f}"
+
+
+def log_tail(proc: subprocess.Popen, n: int = 2000) -> str:
+    """The end of a server's log (its stderr and stdout go to a temporary file, never to a pipe that a
+    long run could fill and block)."""
+    proc.log.flush()
+    proc.log.seek(0)
+    return proc.log.read().decode(errors="replace")[-n:]
+
+
 def start(cmd: list[str], port: int, env: dict, timeout: float = 300) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc.log = log
     deadline = time.time() + timeout
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[0:3]} exited: {proc.stderr.read().decode()[-500:]}")
+            raise RuntimeError(f"{cmd[0:3]} exited: {log_tail(proc, 500)}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
                 return proc
@@ -148,21 +177,26 @@ def load(url: str, model: str, bodies: list[dict], clients: int, max_tokens: int
     }
 
 
-def hit_rate(url: str) -> float | None:
-    try:
-        for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
-            if line.startswith("k2:prefix_cache_hit_rate"):
-                return float(line.rsplit(" ", 1)[1])
-    except httpx.HTTPError:
-        return None
-    return None
+def prefix_counters(url: str) -> tuple[float, float]:
+    """(prompt tokens, prefix-cache hit tokens) since the server started, from k2's `/metrics`."""
+    values = {}
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        for name in ("k2:prompt_tokens_total", "k2:prefix_cache_hit_tokens_total"):
+            if line.startswith((name + "{", name + " ")):
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return values["k2:prompt_tokens_total"], values["k2:prefix_cache_hit_tokens_total"]
 
 
-def followup_ttft(url: str, model: str, seed: int) -> float:
+def warm_up(url: str, model: str) -> None:
+    r = one(url, model, {"messages": [{"role": "user", "content": "warm up"}]}, 2)
+    assert r["text"] or r["tokens"], "the warm-up request returned nothing"
+
+
+def followup_ttft(url: str, model: str, seed: int, repeats: int = 5) -> float:
     """Median TTFT of a follow-up adding <= 64 tokens to a >= 1,000-token conversation (sent once before)."""
     rng = random.Random(seed + 1)
     times = []
-    for k in range(5):
+    for k in range(repeats):
         conv = [
             {"role": "system", "content": _text(rng, 1100)},
             {"role": "user", "content": f"{k} " + _text(rng, 20)},
@@ -198,6 +232,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of each server")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--followups", type=int, default=5, help="repeats of the follow-up TTFT test (median)")
     ap.add_argument("--anchor", choices=["none", "transformers"], default="transformers")
     args = ap.parse_args()
     env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
@@ -206,21 +241,26 @@ def main() -> None:
     if model_dir is None:
         import torch
         from k2_data import load_tokenizer
+        from k2_data.chat.template import write_chat_template
         from k2_model import K2Config, K2ForCausalLM
 
         torch.manual_seed(0)
         model_dir = str(Path(tmp.name) / args.preset)
         K2ForCausalLM(K2Config.preset(args.preset)).save_pretrained(model_dir)
         load_tokenizer().save(model_dir)
+        write_chat_template(model_dir)  # as `k2 export` does: transformers serve needs it
     bodies = workload(args.requests, args.seed)
     rows = []
     port = _free_port()
     proc = k2_server(model_dir, port, env, [])
     try:
         url = f"http://127.0.0.1:{port}"
+        warm_up(url, "m")
+        prompt0, hit0 = prefix_counters(url)
         k2 = load(url, "m", bodies, args.clients, args.max_tokens)
-        k2["hit"] = hit_rate(url)
-        ttft_cached = followup_ttft(url, "m", args.seed)
+        prompt1, hit1 = prefix_counters(url)
+        k2["hit"] = (hit1 - hit0) / max(1.0, prompt1 - prompt0)
+        ttft_cached = followup_ttft(url, "m", args.seed, args.followups)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -228,31 +268,43 @@ def main() -> None:
     port = _free_port()
     proc = k2_server(model_dir, port, env, ["--no-prefix-caching"])
     try:
-        ttft_uncached = followup_ttft(f"http://127.0.0.1:{port}", "m", args.seed)
+        ttft_uncached = followup_ttft(f"http://127.0.0.1:{port}", "m", args.seed, args.followups)
     finally:
         proc.terminate()
         proc.wait(30)
+    failure = None
     if args.anchor == "transformers":
+        import transformers
+
         port = _free_port()
         exe = str(Path(sys.executable).parent / "transformers")
+        # the model dir as FORCE_MODEL: loaded at start-up, not inside the first request's TTFT
+        cmd = [exe, "serve", model_dir, "--port", str(port), "--device", "cpu", "--dtype", "float32"]
+        proc = None
         try:
-            proc = start([exe, "serve", "--port", str(port), "--device", "cpu"], port, env)
-            try:
-                hf = load(f"http://127.0.0.1:{port}", model_dir, bodies, args.clients, args.max_tokens)
-                hf["hit"] = None
-                rows.append(("transformers serve", hf))
-            finally:
+            proc = start(cmd, port, env)
+            url = f"http://127.0.0.1:{port}"
+            warm_up(url, model_dir)
+            hf = load(url, model_dir, bodies, args.clients, args.max_tokens)
+            hf["hit"] = None  # no prefix cache: every request prefills its whole prompt
+            rows.append((f"transformers serve {transformers.__version__}", hf))
+        except (RuntimeError, AssertionError, httpx.HTTPError, OSError) as e:
+            failure = f"transformers serve: not measured ({type(e).__name__}: {e})"
+            if proc is not None:
+                failure += f"\n--- its log (tail) ---\n{log_tail(proc)}"
+        finally:
+            if proc is not None:
                 proc.terminate()
                 proc.wait(30)
-        except (RuntimeError, httpx.HTTPError, OSError) as e:
-            print(f"transformers serve: not measured ({e})")
+    print(f"machine: {machine()}")
     print(
-        f"model {model_dir}; {args.requests} requests, {args.clients} clients, max_tokens {args.max_tokens}"
+        f"model {model_dir}; {args.requests} requests, {args.clients} clients, max_tokens {args.max_tokens}, "
+        f"{args.threads} torch thread(s) per server"
     )
     print("| server | output tok/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | prefix hit rate | non-empty |")
     print("|---|---|---|---|---|---|")
     for name, r in rows:
-        hit = "-" if r["hit"] is None else f"{r['hit']:.1%}"
+        hit = "none (no prefix cache)" if r["hit"] is None else f"{r['hit']:.1%}"
         print(
             f"| {name} | {r['tok_s']:.1f} | {r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} | "
             f"{r['itl_p50'] * 1000:.1f} / {r['itl_p99'] * 1000:.1f} | {hit} | {r['nonempty']}/{r['n']} |"
@@ -261,11 +313,14 @@ def main() -> None:
         print(
             f"k2 serve / transformers serve output tokens/s: {rows[0][1]['tok_s'] / rows[1][1]['tok_s']:.1f}x"
         )
-        assert rows[1][1]["nonempty"] == rows[1][1]["n"], "transformers serve returned empty outputs"
     print(
         f"follow-up TTFT (>= 1,000 cached, <= 64 new tokens): {ttft_cached * 1000:.0f} ms with prefix caching, "
         f"{ttft_uncached * 1000:.0f} ms without ({ttft_uncached / ttft_cached:.1f}x)"
     )
+    if failure is not None:
+        sys.exit(failure)
+    for name, r in rows:
+        assert r["nonempty"] == r["n"], f"{name} returned {r['n'] - r['nonempty']} empty outputs"
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""`k2 export RUN_DIR --out HF_DIR`: a run's latest train state as an HF-format model."""
+"""`k2 export RUN_DIR --out HF_DIR`: a run's latest train state as an HF-format model (with the tokenizer
+and the Kimi chat template)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "export",
         help="write a k2 pretrain/sft run's latest weights as an HF-format directory",
         description="Write config.json, safetensors (DeepseekV3ForCausalLM names) and the tokenizer of a "
-        "`k2 pretrain` or `k2 sft` run into --out, loadable by K2ForCausalLM.from_pretrained and transformers.",
+        "`k2 pretrain` or `k2 sft` run into --out, loadable by K2ForCausalLM.from_pretrained and transformers, "
+        "with the Kimi K2 chat template (chat_template.jinja and tokenizer_config.json), so that "
+        "`apply_chat_template` and `transformers serve` render conversations exactly as `k2 serve` does.",
     )
     p.add_argument("run_dir", type=Path, help="a `k2 pretrain` or `k2 sft` run directory")
     p.add_argument("--out", type=Path, required=True, help="the HF-format output directory")

@@ -1,5 +1,6 @@
 """Export a run (pretraining or SFT) to an HF-format directory (config.json, safetensors, the
-tokenizer) that `K2ForCausalLM.from_pretrained`, `transformers` and `k2 serve --model` load."""
+tokenizer with the Kimi chat template) that `K2ForCausalLM.from_pretrained`, `transformers` (also
+`apply_chat_template` and `transformers serve`) and `k2 serve --model` load."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
+from k2_data.chat.template import write_chat_template
 from k2_model import K2Config, K2ForCausalLM
 
 from k2_train.builders import model_config
@@ -39,6 +41,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path) -> Path:
         for f in tok_dir.iterdir():
             if f.is_file():
                 shutil.copy2(f, tmp / f.name)
+        # the Kimi chat format as a Jinja chat_template, so transformers (`apply_chat_template`,
+        # `transformers serve`) renders conversations exactly as k2 does (k2_data.chat.render)
+        write_chat_template(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
