@@ -19,6 +19,7 @@ FLAGS = [
     ("adamw_lr", float, "with muon/muonclip: AdamW lr of embeddings, head and 1-D params (0 = --lr)"),
     ("weight_decay", float, "decoupled weight decay"),
     ("tau", float, "QK-Clip threshold (also drawn on the max-logit plot of non-clipping runs)"),
+    ("ns_dtype", str, "Newton-Schulz dtype: auto (bf16 where bf16 GEMMs are native, else fp32), fp32, bf16"),
     ("steps", int, "optimizer steps"),
     ("batch", int, "global batch in sequences"),
     ("micro_batch", int, "sequences per forward (gradient accumulation); 0 = whole batch"),

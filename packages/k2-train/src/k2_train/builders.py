@@ -113,8 +113,15 @@ def build_optimizer(cfg: PretrainConfig, model: nn.Module) -> torch.optim.Optimi
             betas=(0.9, 0.95),
         )
     # Muon for hidden matrices, AdamW for embeddings / head / 1-D; QK-Clip only for "muonclip".
+    ns_dtype = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16}[
+        getattr(cfg, "ns_dtype", "auto")
+    ]
     opt = MuonClip(
-        model, lr=cfg.lr, weight_decay=cfg.weight_decay, tau=cfg.tau if cfg.optimizer == "muonclip" else None
+        model,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        tau=cfg.tau if cfg.optimizer == "muonclip" else None,
+        ns_dtype=ns_dtype,
     )
     if cfg.adamw_lr:
         for group in opt.param_groups:

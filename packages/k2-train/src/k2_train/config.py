@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 OPTIMIZERS = ("muonclip", "muon", "adamw")
+NS_DTYPES = ("auto", "fp32", "bf16")
 PACKINGS = ("stream", "whole")
 
 
@@ -65,6 +66,9 @@ class PretrainConfig(RunConfig):
     adamw_lr: float = 3e-3
     weight_decay: float = 0.1
     tau: float = 30.0
+    # Newton-Schulz compute dtype: "auto" = bf16 where bf16 GEMMs are native (CUDA, CPUs with
+    # AMX / AVX512-BF16), fp32 where bf16 is emulated (AVX2 CPUs, where it is ~30x slower)
+    ns_dtype: str = "auto"
     grad_clip: float = 1.0
     # WSD schedule, as fractions of the run (warmup, then constant, then cosine to min_lr_ratio)
     warmup_steps: int = 10
@@ -121,6 +125,7 @@ class PretrainConfig(RunConfig):
         need(self.lr > 0, "lr", "> 0")
         need(self.adamw_lr >= 0, "adamw_lr", ">= 0")
         need(self.tau > 0, "tau", "> 0")
+        need(self.ns_dtype in NS_DTYPES, "ns_dtype", f"one of {', '.join(NS_DTYPES)}")
         need(self.steps > 0, "steps", "> 0")
         need(self.batch > 0, "batch", "> 0")
         need(self.micro_batch >= 0, "micro_batch", ">= 0")
