@@ -7,7 +7,12 @@ import argparse
 from k2_stack.commands import training
 
 EXTRA = [
-    ("data", str, "corpus file/dir or tokenized dir (None: this Python's standard library source)"),
+    (
+        "data",
+        str,
+        "corpus file/dir or tokenized dir, or sources mixed by weight, e.g. raw:0.5,rephrased:0.5 "
+        "(None: this Python's standard library source)",
+    ),
     ("max_corpus_mb", float, "use only the first N MB of the default corpus (0 = all)"),
 ]
 

@@ -1,7 +1,8 @@
 """Data for a run: tokenized once into a cache directory keyed by its inputs, then packed into
 train/val samples.
 
-Pretraining: text (default: this interpreter's standard library source). SFT: chat records
+Pretraining: text (default: this interpreter's standard library source), or several sources
+mixed by weight (`--data raw:0.5,rephrased:0.5`: k2_data.MixedDataset). SFT: chat records
 (default: the tool-use example set k2-data generates), rendered in the Kimi format with a loss
 mask on the assistant turns."""
 
@@ -12,11 +13,13 @@ import os
 from pathlib import Path
 
 from k2_data import (
+    MixedDataset,
     PackedDataset,
     StatefulLoader,
     TokenizeConfig,
     default_corpus_files,
     ensure_tokenized,
+    parse_mixture,
     tokenize_corpus,
 )
 
@@ -38,21 +41,41 @@ def _limited_default_corpus(max_mb: float) -> list[Path]:
     return files
 
 
-def prepare_tokenized(cfg: PretrainConfig, workers: int = 0) -> Path:
-    """A tokenized dataset directory for `cfg.data` (tokenizing into the cache when needed)."""
+def mixture_sources(cfg: PretrainConfig) -> list[tuple[str, float]] | None:
+    """`--data a:0.7,b:0.3` -> [(a, 0.7), (b, 0.3)] (sources mixed by weight); None for one source.
+
+    A path that exists is always one source, even with a ':' in its name."""
+    if cfg.data is None or Path(cfg.data).exists():
+        return None
+    sources = parse_mixture(cfg.data, "--data")
+    if len(sources) == 1 and sources[0][0] == cfg.data:
+        return None  # a plain path (that does not exist: reported by the one-source path)
+    return sources
+
+
+def prepare_tokenized(cfg: PretrainConfig, workers: int = 0) -> Path | list[Path]:
+    """A tokenized dataset directory for `cfg.data` (tokenizing into the cache when needed); for a
+    mixture (`--data a:0.7,b:0.3`, pretraining only) one directory per source, in order."""
     if isinstance(cfg, SFTConfig):
         return prepare_chat(cfg, workers)
+    sources = mixture_sources(cfg)
+    if sources is not None:
+        return [_prepare_one(cfg, path, workers) for path, _ in sources]
+    return _prepare_one(cfg, cfg.data, workers)
+
+
+def _prepare_one(cfg: PretrainConfig, data: str | None, workers: int) -> Path:
     tok_config = TokenizeConfig(workers=workers or max(1, min(4, os.cpu_count() or 1)))
-    if cfg.data is not None and (Path(cfg.data) / "manifest.json").is_file():
-        return Path(cfg.data)
-    if cfg.data is not None and not Path(cfg.data).exists():
-        raise FileNotFoundError(f"--data {cfg.data}: no such file or directory")
+    if data is not None and (Path(data) / "manifest.json").is_file():
+        return Path(data)
+    if data is not None and not Path(data).exists():
+        raise FileNotFoundError(f"--data {data}: no such file or directory")
     files = None
-    if cfg.data is None and cfg.max_corpus_mb > 0:
+    if data is None and cfg.max_corpus_mb > 0:
         files = _limited_default_corpus(cfg.max_corpus_mb)
     key = repr(
         (
-            str(Path(cfg.data).resolve()) if cfg.data else "<stdlib>",
+            str(Path(data).resolve()) if data else "<stdlib>",
             [str(f) for f in files] if files is not None else None,
             str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else "<default>",
         )
@@ -61,12 +84,26 @@ def prepare_tokenized(cfg: PretrainConfig, workers: int = 0) -> Path:
     if files is not None:
         tokenize_corpus(files, cache, tokenizer=cfg.tokenizer, config=tok_config)
         return cache
-    return ensure_tokenized(cfg.data, cache, tokenizer=cfg.tokenizer, config=tok_config)
+    return ensure_tokenized(data, cache, tokenizer=cfg.tokenizer, config=tok_config)
 
 
-def build_datasets(cfg: PretrainConfig, tokenized: Path) -> tuple[PackedDataset, PackedDataset | None]:
+def build_datasets(
+    cfg: PretrainConfig, tokenized: Path | list[Path]
+) -> tuple[PackedDataset | MixedDataset, PackedDataset | MixedDataset | None]:
     """Train and held-out splits (by document); the held-out one is None when the corpus has too
-    few documents to hold any out at `val_fraction`."""
+    few documents to hold any out at `val_fraction`. A list of directories (a `--data` mixture)
+    gives each split mixed by the weights (the held-out one only when every source has one)."""
+    if isinstance(tokenized, list):
+        weights = [w for _, w in mixture_sources(cfg) or []]
+        if len(weights) != len(tokenized):
+            raise ValueError(
+                f"--data {cfg.data}: {len(tokenized)} tokenized sources for {len(weights)} weights"
+            )
+        splits = [build_datasets(cfg, t) for t in tokenized]
+        train = MixedDataset([tr for tr, _ in splits], weights, seed=cfg.seed)
+        vals = [va for _, va in splits]
+        val = MixedDataset(vals, weights, seed=cfg.seed) if all(v is not None for v in vals) else None
+        return train, val
     common = dict(
         seq_len=cfg.seq_len,
         seed=cfg.seed,

@@ -23,7 +23,7 @@ from k2_model.parallelize import parallelize
 from k2_train import distributed as dd
 from k2_train.builders import build_model, build_optimizer, build_schedule, describe_attention, resolve_device
 from k2_train.config import PretrainConfig
-from k2_train.data import build_datasets, build_loader, prepare_tokenized
+from k2_train.data import build_datasets, build_loader, mixture_sources, prepare_tokenized
 from k2_train.losses import Loss, NextTokenLoss
 from k2_train.metrics import Callback, JSONLMetrics, read_metrics
 from k2_train.state import ModelState, OptimizerState, RNGState, TrainState, latest_state
@@ -107,7 +107,8 @@ def _run(
     if info.is_main:
         log("preparing data (tokenized once, then cached)...")
         tokenized = prepare_tokenized(cfg)
-        _report_skipped(tokenized, log)
+        for source in tokenized if isinstance(tokenized, list) else [tokenized]:
+            _report_skipped(source, log)
     tokenized = dd.broadcast_object(tokenized, info)
     train_ds, val_ds = build_datasets(cfg, tokenized)
     if val_ds is None and cfg.eval_every:
@@ -169,7 +170,7 @@ def _run(
         + (f" x {info.world_size} processes (FSDP2)" if info.enabled and cfg.ep == 1 else "")
         + (f" x {info.world_size} processes (FSDP2 x EP{cfg.ep})" if cfg.ep > 1 else "")
         + "; "
-        f"data {tokenized} ({len(train_ds)} train / {len(val_ds) if val_ds else 0} val samples per epoch); "
+        f"data {_describe_data(cfg, tokenized)} ({len(train_ds)} train / {len(val_ds) if val_ds else 0} val samples per epoch); "
         f"run dir {run_dir}"
         + (f"; resuming after step {trainer.step}" if resume else "")
         + f"; attention: {describe_attention(model, cfg, device)}"
@@ -207,6 +208,13 @@ def _run(
         interrupted=result.interrupted,
         plots=plots,
     )
+
+
+def _describe_data(cfg: PretrainConfig, tokenized: Path | list[Path]) -> str:
+    if not isinstance(tokenized, list):
+        return str(tokenized)
+    weights = [w for _, w in mixture_sources(cfg) or []]
+    return "mix of " + ", ".join(f"{t} ({w:g})" for t, w in zip(tokenized, weights))
 
 
 def _report_skipped(tokenized: Path, log: Callable[[str], None], show: int = 10) -> None:
