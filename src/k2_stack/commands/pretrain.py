@@ -10,8 +10,10 @@ EXTRA = [
     (
         "data",
         str,
-        "corpus file/dir or tokenized dir, or sources mixed by weight, e.g. raw:0.5,rephrased:0.5 "
-        "(None: this Python's standard library source)",
+        (
+            "corpus file/dir or tokenized dir, or sources mixed by weight, e.g. raw:0.5,rephrased:0.5 "
+            "(None: this Python's standard library source)"
+        ),
     ),
     ("max_corpus_mb", float, "use only the first N MB of the default corpus (0 = all)"),
 ]
