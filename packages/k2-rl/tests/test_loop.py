@@ -189,3 +189,24 @@ def test_rl_run_metrics_and_exact_resume(tmp_path):
         ]
 
     assert key(_rows(tmp_path / "part")) == key(rows)  # the same rewards, losses and accuracies
+
+
+def test_worker_frees_its_kv_pool_between_rollouts():
+    """POST /free_cache (engine switching): the worker's pool goes back to zero bytes while the
+    trainer runs, and the next /generate regrows it and gives the same samples."""
+    from fastapi.testclient import TestClient
+    from k2_model import K2Config, K2ForCausalLM
+    from k2_rl.rollout import Rollout, make_app
+
+    torch.manual_seed(0)
+    rollout = Rollout(K2ForCausalLM(K2Config.preset("tiny", **SMALL)).eval(), eos_token_ids=[])
+    body = {"prompts": [[5, 6, 7, 8]], "n": 2, "max_tokens": 4, "seed": 1}
+    try:
+        with TestClient(make_app(rollout)) as http:
+            before = http.post("/generate", json=body).json()["samples"]
+            freed = http.post("/free_cache").json()["freed_bytes"]
+            assert freed > 0 and rollout.engine.cache.allocated_bytes() == 0
+            after = http.post("/generate", json=body).json()["samples"]
+            assert after == before and rollout.engine.cache.allocated_bytes() > 0
+    finally:
+        rollout.close()

@@ -7,7 +7,8 @@ weights arriving through k2-ckpt.
   prompt's index and the sample's index, so a call's samples are the same whatever else runs
   and whatever the order of completion). Per-token log-probs under the raw
   model distribution come back with the tokens (logged against the trainer's own log-probs).
-* `make_app(rollout)`: the worker's HTTP API (FastAPI): `GET /health`, `POST /generate`, and
+* `make_app(rollout)`: the worker's HTTP API (FastAPI): `GET /health`, `POST /generate`,
+  `POST /free_cache` (release the KV pool while the trainer runs: engine switching), and
   k2-ckpt's receiver mounted at `/ckpt`, whose loads run between two engine steps
   (`k2_ckpt.adapters.BetweenStepsLoader`).
 * `python -m k2_rl.rollout --model DIR --port P`: the worker process the loop starts by default.
@@ -107,6 +108,11 @@ class Rollout:
             out.append(samples)  # in sample order, whatever the order of completion
         return out
 
+    def free_cache_memory(self, timeout_s: float = 600.0) -> int:
+        """Release the engine's KV pool between rollouts (engine switching: the trainer on the same
+        device uses the memory during its update; the next generate regrows it). Bytes freed."""
+        return int(self.thread.call_between_steps(self.engine.free_cache_memory).result(timeout_s))
+
     def loader(self):
         from k2_ckpt.adapters import BetweenStepsLoader
 
@@ -148,6 +154,10 @@ def make_app(rollout: Rollout, rank: int = 0):
             "samples": [[asdict(s) for s in group] for group in samples],
             "seconds": time.perf_counter() - t0,
         }
+
+    @app.post("/free_cache")
+    def free_cache() -> dict:
+        return {"freed_bytes": rollout.free_cache_memory()}
 
     app.mount("/ckpt", make_receiver_app(rollout.loader(), did))
     return app
@@ -234,6 +244,13 @@ class RolloutClient:
         if r.status_code != 200:
             raise RuntimeError(f"rollout worker {self.url}/generate: HTTP {r.status_code}: {r.text[:500]}")
         return [[Sample(**s) for s in group] for group in r.json()["samples"]]
+
+    def free_cache_memory(self) -> int:
+        """The worker releases its KV pool (engine switching); bytes freed."""
+        r = self.http.post(self.url + "/free_cache")
+        if r.status_code != 200:
+            raise RuntimeError(f"rollout worker {self.url}/free_cache: HTTP {r.status_code}: {r.text[:500]}")
+        return int(r.json()["freed_bytes"])
 
     def req_func(self, zmq_handles: dict[str, str]) -> None:
         """k2-ckpt's `req_func`: make the worker's receiver pull the update."""

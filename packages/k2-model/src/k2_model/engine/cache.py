@@ -14,6 +14,8 @@ share their prompt's full blocks, and a request whose prompt extends a cached pr
 blocks of that prefix. A full block is keyed by a hash chained over every token up to its end
 (`block_key`); blocks whose count drops to 0 stay in the index, evictable in LRU order, until the
 pool needs them. `flush_prefix()` forgets the index (after a weight update the cached rows are stale).
+`free_memory()` releases the whole pool while nothing runs (RL's engine switching: the trainer
+takes the memory during its update; the pool regrows on the next request).
 
 The pool grows by doubling up to `max_blocks` (the memory budget), so memory follows use.
 """
@@ -56,6 +58,7 @@ class MLACache:
         self.num_layers, self.C, self.R = num_layers, kv_lora_rank, rope_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.block_size, self.max_blocks = block_size, max_blocks
+        self.initial_blocks = max(1, min(initial_blocks, max_blocks))
         self.kv_LyBbK = torch.zeros(
             num_layers,
             min(initial_blocks, max_blocks),
@@ -106,7 +109,7 @@ class MLACache:
     # ------------------------------------------------------------------ allocation
     def _grow(self) -> None:
         old = self.num_blocks
-        new = min(2 * old, self.max_blocks)
+        new = min(max(2 * old, self.initial_blocks), self.max_blocks)
         grown = torch.zeros(
             self.num_layers, new, self.block_size, self.row_size, dtype=self.dtype, device=self.device
         )
@@ -172,6 +175,22 @@ class MLACache:
         self._key_of.clear()
         self._free += list(self._evictable)
         self._evictable.clear()
+
+    def free_memory(self) -> int:
+        """Give the whole pool back (engine switching: the trainer uses the memory while no request
+        runs); returns the bytes released. The prefix index goes with it; the pool regrows from
+        `initial_blocks` on the next allocation. Refused while a sequence holds a block."""
+        if self.num_used():
+            raise RuntimeError(
+                f"MLACache.free_memory: {self.num_used()} blocks are in use by running sequences"
+            )
+        freed = self.allocated_bytes()
+        self.flush_prefix()
+        self.kv_LyBbK = self.kv_LyBbK.new_zeros(self.num_layers, 0, self.block_size, self.row_size)
+        self.refs, self._free = [], []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # back to the device, not just to torch's caching allocator
+        return freed
 
     # ------------------------------------------------------------------ data
     def write(self, layer: int, block_n: Tensor, offset_n: Tensor, row_nK: Tensor) -> None:

@@ -279,6 +279,17 @@ class Engine:
         """Fraction of the KV budget's blocks referenced by running sequences."""
         return self.cache.num_used() / self.cache.max_blocks
 
+    def free_cache_memory(self) -> int:
+        """Release the KV pool while no request is queued or running (engine switching: an RL
+        trainer on the same device uses the memory during its update); returns the bytes freed.
+        The next request regrows it. Call it from the thread that steps the engine (or through
+        `call_between_steps`)."""
+        with self._lock:
+            busy = bool(self._running or self._waiting)
+        if busy:
+            raise RuntimeError("Engine.free_cache_memory: requests are still queued or running")
+        return self.cache.free_memory()
+
     def flush_prefix_cache(self) -> None:
         """Forget cached prefixes (call on the stepping thread, e.g. inside `call_between_steps`)."""
         self.cache.flush_prefix()
