@@ -28,16 +28,20 @@ help:
 # torch and the build tools, once.
 $(BASE_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "[setup] torch ($(TORCH_SPEC)) and the build tools into $(VENV)..."
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH_SPEC)"
 	$(PIP) "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja "hatchling>=1.20" editables
 	touch $@
 
 # The compiled kernels: rebuilt when csrc/ or the kernel build changes (incremental build dir).
 $(KERNELS_STAMP): $(BASE_STAMP) $(KERNEL_SRCS)
+	@echo "[setup] compiling k2-kernels (C++/OpenMP, and CUDA when nvcc is on PATH): about 2-4 minutes on 2 cores..."
 	$(PIP) --no-build-isolation -e packages/k2-kernels
+	@$(PY) -c "import k2_kernels; c = k2_kernels.capabilities(); print(f'[setup] k2-kernels built: cpu kernels {c.cpu_kernels}, cuda kernels {c.cuda_kernels} (archs {c.cuda_archs}), blas {c.blas}')"
 	touch $@
 
 $(STAMP): $(KERNELS_STAMP) pyproject.toml $(foreach p,$(PY_PKGS),packages/$(p)/pyproject.toml)
+	@echo "[setup] installing the Python packages (editable) and the test dependencies..."
 	$(PIP) --no-build-isolation $(foreach p,$(PY_PKGS),-e packages/$(p)) -e ".[test]"
 	touch $@
 
