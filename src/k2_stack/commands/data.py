@@ -8,6 +8,7 @@ k2 data sft INPUT... --out DIR [--tokenizer PATH] [--workers N] [--on-error skip
             [--messages-field messages] [--tools-field tools] [--format arrow|parquet] [--shard-mb 16]
 k2 data tooluse-example --out DIR [--n-train 2000] [--n-heldout 200] [--seed 0]
 k2 data rephrase [INPUT ...] --out DIR --base-url URL --model NAME [--rounds N] [--mode knowledge|math]
+k2 data agentic --out DIR --base-url URL --model NAME [--mcp-server NAME|CMD ...] [--tools-json FILE ...]
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ex.set_defaults(func=run_tooluse_example)
 
     _register_rephrase(sub)
+    _register_agentic(sub)
 
 
 def _register_rephrase(sub: argparse._SubParsersAction) -> None:
@@ -155,6 +157,25 @@ def _register_rephrase(sub: argparse._SubParsersAction) -> None:
     )
     add_arguments(reph)
     reph.set_defaults(func=run_rephrase)
+
+
+def _register_agentic(sub: argparse._SubParsersAction) -> None:
+    """`k2 data agentic`: the arguments and the run live in k2_data.agentic.cli (thin entrypoint)."""
+    from k2_data.agentic.cli import DESCRIPTION, add_arguments
+
+    ag = sub.add_parser(
+        "agentic",
+        help="synthesize multi-turn tool-use SFT data (MCP tools, agents, tasks, rubrics, simulators, judge)",
+        description=DESCRIPTION,
+    )
+    add_arguments(ag)
+    ag.set_defaults(func=run_agentic)
+
+
+def run_agentic(args: argparse.Namespace) -> int:
+    from k2_data.agentic.cli import run
+
+    return run(args)
 
 
 def run_rephrase(args: argparse.Namespace) -> int:

@@ -174,3 +174,70 @@ def as_tool(obj: Tool | Callable[..., Any]) -> Tool:
 
 def tool_specs(tools: list[Tool]) -> list[dict[str, Any]]:
     return [t.spec() for t in tools]
+
+
+# --- tools known only by their spec (imported from MCP servers or OpenAI-format JSON files) -----------
+
+
+class UnboundToolError(RuntimeError):
+    """A tool imported as a spec only was called without an implementation (bind one, or simulate it)."""
+
+
+def _unbound(name: str) -> Callable[..., Any]:
+    def call(**kwargs: Any) -> Any:
+        raise UnboundToolError(f"tool {name!r} has a spec but no implementation")
+
+    call.__name__ = name
+    return call
+
+
+def tool_from_spec(spec: dict[str, Any], fn: Callable[..., Any] | None = None) -> Tool:
+    """A `Tool` from an OpenAI `tools` entry (`{"type": "function", "function": {...}}`) or from the bare
+    function object (`{"name", "description", "parameters"}`). Without `fn` the tool is spec-only: calling
+    it raises `UnboundToolError` (a tool simulator or an MCP session supplies `fn`). ValueError naming the
+    field when the spec is malformed."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"a tool spec must be a JSON object, got {type(spec).__name__}")
+    if "function" in spec:
+        if spec.get("type", "function") != "function":
+            raise ValueError(f"field 'type' must be 'function', got {spec.get('type')!r}")
+        spec = spec["function"]
+        if not isinstance(spec, dict):
+            raise ValueError("field 'function' must be a JSON object")
+    name = spec.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+        raise ValueError(f"field 'name' must be 1-64 letters, digits, '_', '.' or '-', got {name!r}")
+    description = spec.get("description") or ""
+    if not isinstance(description, str):
+        raise ValueError(f"tool {name}: field 'description' must be a string")
+    parameters = spec.get("parameters", spec.get("input_schema", spec.get("inputSchema")))
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+        raise ValueError(f"tool {name}: field 'parameters' must be a JSON schema of type 'object'")
+    return Tool(fn=fn or _unbound(name), name=name, description=description, parameters=dict(parameters))
+
+
+def load_openai_tools(path: Any) -> list[Tool]:
+    """Spec-only tools from a JSON file in OpenAI's tool format: a list of `tools` entries, an object with
+    a `tools` list, or a single entry; a `.jsonl` file holds one entry per line. ValueError names the file
+    and the entry."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    text = p.read_text(encoding="utf-8")
+    if p.suffix == ".jsonl":
+        entries = [json.loads(line) for line in text.splitlines() if line.strip()]
+    else:
+        data = json.loads(text)
+        entries = data.get("tools", [data]) if isinstance(data, dict) else data
+    if not isinstance(entries, list):
+        raise ValueError(f"{p}: expected a list of OpenAI tool entries")
+    out: list[Tool] = []
+    for i, entry in enumerate(entries):
+        try:
+            out.append(tool_from_spec(entry))
+        except ValueError as e:
+            raise ValueError(f"{p}: tools[{i}]: {e}") from None
+    return out

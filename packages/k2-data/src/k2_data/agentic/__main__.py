@@ -1,0 +1,5 @@
+import sys
+
+from k2_data.agentic.cli import main
+
+sys.exit(main())

@@ -1,0 +1,117 @@
+"""Command line of the agentic pipeline: `k2 data agentic ...` and `python -m k2_data.agentic ...`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from k2_data.agentic.servers import SHIPPED
+
+DESCRIPTION = (
+    "Synthesize multi-turn tool-use SFT data: import tools from MCP servers (stdio; the shipped calculator, "
+    "kvstore and filesystem servers by default) and OpenAI-format JSON files, generate agents (system prompt "
+    "+ sampled tool set) and tasks with rubrics, roll out trajectories between a user simulator, the agent "
+    "(any OpenAI-compatible endpoint, e.g. k2 serve) and a stateful tool simulator, and keep those a judge "
+    "finds meet their rubric. OUT/sft.jsonl is ready for `k2 data sft`. Resumable and cached: rerun the same "
+    "command after a kill and finished trajectories are kept, interrupted ones replayed from the cache."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument("--base-url", required=True, help="API root, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--model", required=True, help="model name sent with each request")
+    p.add_argument("--api-key", help="bearer token (default: none)")
+    p.add_argument(
+        "--mcp-server",
+        action="append",
+        default=None,
+        metavar="NAME_OR_COMMAND",
+        help=f"an MCP server to import tools from: a shipped one ({', '.join(SHIPPED)}) or a command line; "
+        "repeatable (default: all shipped)",
+    )
+    p.add_argument("--no-mcp", action="store_true", help="import no MCP server (use --tools-json only)")
+    p.add_argument(
+        "--tools-json",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="OpenAI-format tools (JSON list or JSONL); repeatable",
+    )
+    p.add_argument("--agents", type=int, default=4)
+    p.add_argument("--tasks-per-agent", type=int, default=2)
+    p.add_argument("--tools-per-agent", type=int, default=3)
+    p.add_argument("--max-turns", type=int, default=4, help="user turns per trajectory")
+    p.add_argument("--max-steps", type=int, default=6, help="agent calls per user turn")
+    p.add_argument("--max-tokens", type=int, default=512, help="per agent reply")
+    p.add_argument("--max-total-tokens", type=int, default=8192, help="conversation size bound")
+    p.add_argument("--edge-rate", type=float, default=0.05, help="share of tool calls failing transiently")
+    p.add_argument(
+        "--gen-max-tokens",
+        type=int,
+        default=1024,
+        help="per agent-profile and judge reply (task lists: twice)",
+    )
+    p.add_argument("--sim-max-tokens", type=int, default=512, help="per user- and tool-simulator reply")
+    p.add_argument(
+        "--min-score", type=float, default=1.0, help="share of rubric criteria the judge needs met"
+    )
+    p.add_argument("--judge-model", help="judge model (default: --model)")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=300.0, help="per request")
+
+
+def run(args: argparse.Namespace) -> int:
+    from k2_data.agent.client import EndpointError
+    from k2_data.agentic.pipeline import AgenticConfig, run_agentic
+    from k2_data.agentic.trajectory import Limits
+
+    servers = [] if args.no_mcp else (args.mcp_server or list(SHIPPED))
+    cfg = AgenticConfig(
+        out=args.out,
+        base_url=args.base_url,
+        model=args.model,
+        api_key=args.api_key,
+        servers=servers,
+        tool_files=args.tools_json,
+        agents=args.agents,
+        tasks_per_agent=args.tasks_per_agent,
+        tools_per_agent=args.tools_per_agent,
+        seed=args.seed,
+        concurrency=args.concurrency,
+        min_score=args.min_score,
+        judge_model=args.judge_model,
+        timeout_s=args.timeout_s,
+        gen_max_tokens=args.gen_max_tokens,
+        limits=Limits(
+            max_turns=args.max_turns,
+            max_steps=args.max_steps,
+            max_tokens=args.max_tokens,
+            max_total_tokens=args.max_total_tokens,
+            edge_rate=args.edge_rate,
+            sim_max_tokens=args.sim_max_tokens,
+        ),
+    )
+    try:
+        summary = run_agentic(cfg)
+    except (ValueError, ImportError, EndpointError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"{summary['tools']} tools ({', '.join(f'{k} {v}' for k, v in summary['tools_by_source'].items())}), "
+        f"{summary['agents']} agents, {summary['tasks']} tasks, {summary['trajectories']} trajectories "
+        f"({summary['trajectories_this_run']} this run), {summary['accepted']} accepted "
+        f"({summary['acceptance_rate']:.0%}), {summary['seconds']} s"
+    )
+    print(json.dumps(summary["counters"]))
+    print(f"wrote {args.out} (sft.jsonl: `k2 data sft {args.out / 'sft.jsonl'} --out DIR`)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m k2_data.agentic", description=DESCRIPTION)
+    add_arguments(p)
+    return run(p.parse_args(argv))

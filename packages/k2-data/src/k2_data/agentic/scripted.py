@@ -1,0 +1,159 @@
+"""A scripted OpenAI-protocol teacher for tests and offline dry runs of the agentic pipeline.
+
+`ScriptedTeacher()` is a `LoopbackServer` responder (`k2_data.rephrase.loopback`) that answers every stage
+deterministically, by the stage tag of the system prompt (`k2_data.agentic.llm.TAGS`) or, for agent
+requests, by the `tools` they carry:
+- agent profile, tasks (expected tool = the set's first tool), tool simulator (`{"ok": true, ...}`),
+  user simulator (one follow-up, then `[DONE]`), judge (every criterion met);
+- markers in a task's user request script the failure paths: `MALFORMED` (the agent's first call has
+  arguments that are not JSON), `INVALID` (arguments that violate the schema, then a valid retry),
+  `UNKNOWN` (a call to an undeclared tool), `REJECT` (the judge rejects), `GARBLED` (the judge answers
+  without JSON). `ScriptedTeacher(markers=[...])` cycles the tasks it writes through these markers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from typing import Any
+
+from k2_data.agentic.llm import TAGS, extract_json
+from k2_data.rephrase.loopback import Reply
+
+MARKERS = ("MALFORMED", "INVALID", "UNKNOWN", "REJECT", "GARBLED")
+
+
+def _value(schema: dict[str, Any]) -> Any:
+    if "enum" in schema:
+        return schema["enum"][0]
+    kind = schema.get("type")
+    if kind == "string":
+        return "demo"
+    if kind in ("number", "integer"):
+        return 2
+    if kind == "boolean":
+        return True
+    if kind == "array":
+        return [_value(schema.get("items") or {"type": "number"})] * 2
+    if kind == "object":
+        return {}
+    return "demo"
+
+
+def valid_arguments(parameters: dict[str, Any]) -> dict[str, Any]:
+    props = parameters.get("properties") or {}
+    return {k: _value(props[k]) for k in parameters.get("required", list(props)) if k in props}
+
+
+def invalid_arguments(parameters: dict[str, Any]) -> dict[str, Any]:
+    props = parameters.get("properties") or {}
+    bad = {k: ({"wrong": "type"} if props[k].get("type") != "object" else 7) for k in props}
+    return bad or {"unexpected": True}
+
+
+def tool_call_response(calls: list[tuple[str, str]], content: str | None = None) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-scripted",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": "scripted",
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": content,
+                    "tool_calls": [
+                        {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
+                        for i, (n, a) in enumerate(calls)
+                    ],
+                },
+                "finish_reason": "tool_calls",
+            }
+        ],
+        "usage": {"prompt_tokens": 50, "completion_tokens": 10, "total_tokens": 60},
+    }
+
+
+class ScriptedTeacher:
+    def __init__(self, markers: list[str] | None = None):
+        self.markers = list(markers or [""])
+        self.calls: dict[str, int] = {}
+
+    def __call__(self, request: dict[str, Any]) -> Reply:
+        messages = request.get("messages") or []
+        system = messages[0].get("content", "") if messages and messages[0].get("role") == "system" else ""
+        stage = next((s for s, tag in TAGS.items() if system.startswith(tag)), "agent_loop")
+        self.calls[stage] = self.calls.get(stage, 0) + 1
+        if stage == "agent_loop":
+            return self.agent(request)
+        user = messages[-1].get("content", "")
+        return Reply(content=getattr(self, f"stage_{stage}")(user))
+
+    def stage_agent(self, user: str) -> str:
+        return json.dumps(
+            {"name": "helper", "system_prompt": "You help users with these tools. Be accurate."}
+        )
+
+    def stage_tasks(self, user: str) -> str:
+        n = int(user.rsplit("Write ", 1)[1].split()[0])
+        first = json.loads(user.split("Tools:\n", 1)[1].splitlines()[0])["name"]
+        cycle = itertools.cycle(self.markers)
+        tasks = [
+            {
+                "user_request": f"{next(cycle)} please use {first} for task {j}".strip(),
+                "goal": f"a result from {first}",
+                "rubric": {
+                    "success_criteria": [f"{first} is called", "the result is reported"],
+                    "expected_tools": [first, "not_a_tool"],
+                    "checkpoints": ["call", "report"],
+                },
+            }
+            for j in range(n)
+        ]
+        return "Here you go:\n```json\n" + json.dumps({"tasks": tasks}) + "\n```"
+
+    def stage_tool(self, user: str) -> str:
+        call = json.loads(user)
+        if "fail" in call["tool"]["name"]:
+            return json.dumps({"ok": False, "result": "quota exceeded"})
+        return json.dumps({"ok": True, "result": {"tool": call["tool"]["name"], "echo": call["arguments"]}})
+
+    def stage_user(self, user: str) -> str:
+        return "Thanks. Can you confirm it worked?" if user.count("USER:") == 1 else "[DONE]"
+
+    def stage_judge(self, user: str) -> str:
+        task = extract_json(user) or {}
+        if "GARBLED" in task.get("task", ""):
+            return "I think it is fine overall."
+        met = "REJECT" not in task.get("task", "")
+        crit = [{"criterion": c, "met": met} for c in task.get("rubric", {}).get("success_criteria", [])]
+        return json.dumps({"criteria": crit, "verdict": "accept" if met else "reject", "reason": "scripted"})
+
+    def agent(self, request: dict[str, Any]) -> Reply:
+        messages = request["messages"]
+        tools = [t["function"] for t in request.get("tools") or []]
+        first_user = next(m["content"] for m in messages if m["role"] == "user")
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        since = messages[users[-1] + 1 :]
+        target = tools[0]
+        good = json.dumps(valid_arguments(target.get("parameters") or {}))
+        if len(users) > 1:  # a follow-up: answer without tools
+            return Reply(content="Confirmed: it worked.")
+        if not since:
+            if "MALFORMED" in first_user:
+                return Reply(body=tool_call_response([(target["name"], '{"key": ')]))
+            if "INVALID" in first_user:
+                bad = json.dumps(invalid_arguments(target.get("parameters") or {}))
+                return Reply(body=tool_call_response([(target["name"], bad)]))
+            if "UNKNOWN" in first_user:
+                return Reply(body=tool_call_response([("no_such_tool", "{}")]))
+            return Reply(body=tool_call_response([(target["name"], good)]))
+        last = since[-1]
+        if last["role"] == "tool" and str(last["content"]).startswith("Error:"):
+            errors = sum(1 for m in since if m["role"] == "tool" and str(m["content"]).startswith("Error:"))
+            if errors < 3:
+                return Reply(body=tool_call_response([(target["name"], good)]))
+            return Reply(content="Sorry, the tool keeps failing.")
+        return Reply(content=f"Done. The tool returned: {str(last.get('content'))[:200]}")
