@@ -19,7 +19,24 @@ FLAGS = [
     ("preset", str, "model preset when there is no --init"),
     ("tasks", str, "task JSONL ({messages, answer}) (None: the generated addition task)"),
     ("heldout", str, "held-out task JSONL for the accuracy (None: the generated task's)"),
-    ("reward", str, "reward name (k2_rl.rewards registry)"),
+    ("reward", str, 'reward name (k2_rl.rewards registry); a task\'s own "reward" field overrides it'),
+    (
+        "critic_url",
+        str,
+        (
+            "critic of the rubric reward: an OpenAI-compatible API root (e.g. k2 serve's http://HOST:PORT/v1), "
+            "or 'policy' (the rollout engine judges through /generate); required with rubric tasks unless the "
+            "rollout worker serves an OpenAI chat endpoint"
+        ),
+    ),
+    ("critic_model", str, "model id sent to the critic (None: the first the endpoint lists)"),
+    ("critic_refine_pairs", int, "verifiable pairs the critic is checked on per iteration (0 = off)"),
+    (
+        "rubric_dir",
+        str,
+        "a directory (or file) of your own rubrics, .json/.toml, read after the shipped ones",
+    ),
+    ("rubric_aggregation", str, "winrate or bt (Bradley-Terry): how pairwise verdicts become rewards"),
     ("iterations", int, "RL iterations (rollout, reward, update, sync)"),
     ("prompts_per_iteration", int, "prompts per iteration"),
     ("samples_per_prompt", int, "responses sampled per prompt (K)"),
@@ -48,7 +65,7 @@ FLAGS = [
     ("rollout_threads", int, "torch threads of the rollout worker (0 = torch's default)"),
     ("device", str, "auto, cpu or cuda"),
 ]
-RESUME_MAY_CHANGE = {"threads", "rollout_threads", "stop_at", "device", "reward_workers"}
+RESUME_MAY_CHANGE = {"threads", "rollout_threads", "stop_at", "device", "reward_workers", "critic_url"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -25,7 +25,16 @@ class RLConfig(RunConfig):
     # tasks: JSONL records {"messages", "answer"}; None = the generated addition task
     tasks: str | None = None
     heldout: str | None = None
-    reward: str = "math"  # a k2_rl.rewards registry name
+    reward: str = "math"  # a k2_rl.rewards registry name; a task's own "reward" field overrides it
+    # the self-critique rubric reward ("rubric", a group reward) and its critic
+    critic_url: str | None = None  # OpenAI-compatible API root; "policy": the rollout engine via /generate
+    critic_model: str | None = None  # None: the first id the endpoint lists at /models
+    critic_concurrency: int = 8
+    critic_max_tokens: int = 256
+    critic_refine_pairs: int = 16  # verifiable pairs the critic is checked on per iteration; 0 = off
+    rubric_dir: str | None = None  # the user's rubric files (.json/.toml), read after the shipped ones
+    rubric_aggregation: str = "winrate"  # or "bt" (Bradley-Terry)
+    rubric_floor: float = 0.0  # the reward of a response violating a prescriptive rubric
     # rollouts: prompts x samples per iteration, the response budget, the temperature schedule
     iterations: int = 20
     prompts_per_iteration: int = 16
@@ -103,6 +112,17 @@ class RLConfig(RunConfig):
         need(self.lr > 0, "lr", "> 0")
         need(self.eval_every >= 0 and self.save_every >= 0 and self.stop_at >= 0, "eval_every", "counts >= 0")
         need(self.reward_workers > 0, "reward_workers", "> 0")
+        need(self.critic_concurrency > 0, "critic_concurrency", "> 0")
+        need(self.critic_max_tokens > 0, "critic_max_tokens", "> 0")
+        need(self.critic_refine_pairs >= 0, "critic_refine_pairs", ">= 0")
+        need(self.rubric_aggregation in ("winrate", "bt"), "rubric_aggregation", "winrate or bt")
+        need(
+            self.critic_url is None
+            or self.critic_url == "policy"
+            or self.critic_url.startswith(("http://", "https://")),
+            "critic_url",
+            "an http(s):// API root or 'policy'",
+        )
 
     # the fields k2-train's builders read
     @property

@@ -9,8 +9,12 @@ Each iteration:
    each at the iteration's temperature, at most `max_response_tokens` tokens (the budget), with
    per-request seeds derived from (seed, iteration, prompt, sample).
 2. Rewards are computed in worker processes (`RewardPool`: math-verify's signal-based timeouts
-   only work on a process's main thread); a response cut at the budget gets
-   `truncation_penalty` subtracted.
+   only work on a process's main thread), one batch per reward name (a task's own `"reward"`
+   field, else `cfg.reward`); group rewards (`GroupReward`, e.g. the self-critique `rubric`
+   reward) score each prompt's K responses together, in this process, through their critic. A
+   response cut at the budget gets `truncation_penalty` subtracted. With the rubric reward in
+   use, the critic is also checked on the verifiable prompts' groups (`critic_agreement`) and the
+   pairs it got wrong are written to `critic_sft/` as critic SFT data.
 3. `logp_old`: the trainer's own forward (no grad) on the sampled tokens, before the first update
    (the engine's sampling log-probs are only logged: `logp_mismatch`).
 4. `updates_per_iteration` Trainer steps on the batch with the K1.5 loss (or the GRPO-style one),
@@ -37,7 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -58,6 +62,15 @@ class RLResult:
     heldout_accuracy: float | None
     interrupted: bool
     plots: list[Path] = field(default_factory=list)
+
+
+class _Rewards(NamedTuple):
+    shaped: list[float]  # with the truncation penalty, in row order
+    raw: list[float]
+    errors: int
+    texts: list[list[str]]  # per prompt, per sample
+    grouped: list[list[float]]  # raw, per prompt
+    metrics: dict[str, Any]  # the group rewards' own (e.g. rubric_position_bias)
 
 
 class _IterationState:
@@ -207,6 +220,9 @@ class _Loop:
         else:
             self.tasks = read_tasks(cfg.tasks)
             self.heldout = read_tasks(cfg.heldout) if cfg.heldout else []
+        self._resolve_rewards()
+        # held-out accuracy is a verifier's: prompts scored by a group reward (a critic) are left out
+        self.heldout = [t for t in self.heldout if self._reward_name(t) not in self.group_names]
         if cfg.eval_prompts:
             self.heldout = self.heldout[: cfg.eval_prompts]
 
@@ -267,6 +283,76 @@ class _Loop:
             self.tok.save(run_dir / "tokenizer")
         self.metrics.on_fit_start(self.trainer)  # on resume: drop rows after the saved step
         self.ptx = self._ptx_rows() if cfg.ptx_coef else None
+
+    def _reward_name(self, task: dict) -> str:
+        return task.get("reward") or self.cfg.reward
+
+    def _resolve_rewards(self) -> None:
+        """The reward names the tasks use, split into per-response and group rewards."""
+        from k2_rl.rewards.base import is_group_reward
+
+        names = {self._reward_name(t) for t in [*self.tasks, *self.heldout]}
+        try:
+            self.group_names = {n for n in names if is_group_reward(n)}
+        except KeyError as e:
+            raise ValueError(str(e.args[0])) from None
+        self.response_names = sorted(names - self.group_names)
+        self.group_rewards: dict[str, Any] = {}
+        self.critic = None
+
+    def _setup_group_rewards(self) -> None:
+        """Build the group rewards (and their critic) once the rollout engine runs."""
+        from k2_rl.rewards.base import lookup_reward
+
+        objs = {n: lookup_reward(n) for n in sorted(self.group_names)}
+        if any(getattr(o, "needs_critic", False) for o in objs.values()):
+            self.critic = self._make_critic()
+        for n, o in objs.items():
+            if hasattr(o, "from_config"):
+                self.group_rewards[n] = o.from_config(self.cfg, self.critic)
+            else:
+                self.group_rewards[n] = o() if isinstance(o, type) else o
+        names = ", ".join(sorted(self.group_rewards))
+        critic = getattr(self.critic, "base_url", None) or ("the policy" if self.critic else "none")
+        self.log(f"group rewards: {names}; critic: {critic}")
+
+    def _make_critic(self) -> Any:
+        from k2_rl.rewards.critic import HTTPCritic, PolicyCritic
+
+        url = self.cfg.critic_url or self._rollout_chat_url()
+        if url is None:
+            raise ValueError(
+                "the rubric reward needs a critic, and the rollout worker serves only /generate "
+                "(token ids), not an OpenAI chat endpoint: pass --critic-url URL (an OpenAI-compatible "
+                "API root, e.g. `k2 serve --model <the policy>` at http://127.0.0.1:8000/v1), or "
+                "--critic-url policy to have the rollout engine judge through /generate"
+            )
+        if url == "policy":
+            return PolicyCritic(
+                self._generate,
+                self.render,
+                lambda ids: self.tok.decode(ids),
+                self._stop_ids(),
+            )
+        return HTTPCritic(
+            url,
+            self.cfg.critic_model,
+            max_concurrency=self.cfg.critic_concurrency,
+            cache=self.run_dir / "critic_cache.sqlite",
+        )
+
+    def _rollout_chat_url(self) -> str | None:
+        """The rollout worker's own OpenAI API root, if it serves one (`GET /v1/models` answers)."""
+        url = getattr(self.rollout, "url", None)
+        if self.worker is None or url is None:
+            return None
+        import httpx
+
+        try:
+            ok = httpx.get(url + "/v1/models", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        return url + "/v1" if ok else None
 
     def _ptx_rows(self) -> list[tuple[list[int], list[int]]]:
         """(ids, mask) of the PTX set's conversations (the loss on their assistant turns)."""
@@ -370,27 +456,76 @@ class _Loop:
             return self.rollout.generate(prompts, **kw)
 
     # -------------------------------------------------------------- rewards and evaluation
-    def _rewards(
-        self, prompts: list[dict], samples: list[list[Sample]]
-    ) -> tuple[list[float], list[float], int]:
-        """(rewards with the truncation penalty, raw rewards, errors) in row order."""
-        items, truncated = [], []
-        for task, group in zip(prompts, samples):
-            for s in group:
-                text = self.tok.decode([t for t in s.token_ids if t not in self._stop_set])
-                items.append((task["messages"][-1]["content"], text, {"answer": task["answer"], **task}))
-                truncated.append(s.finish_reason == "length")
-        res = self.pool.compute(self.cfg.reward, items)
-        raw = list(res.rewards)
+    def _rewards(self, prompts: list[dict], samples: list[list[Sample]], seed: int = 0) -> _Rewards:
+        """Rewards in row order: per-response rewards in the pool (one batch per reward name), group
+        rewards per prompt group in this process (`seed` goes into their critic's requests)."""
+        texts = [
+            [self.tok.decode([t for t in s.token_ids if t not in self._stop_set]) for s in group]
+            for group in samples
+        ]
+        names = [self._reward_name(t) for t in prompts]
+        grouped: list[list[float]] = [[0.0] * len(g) for g in samples]
+        errors, metrics = 0, {}
+        for name in sorted(set(names) - self.group_names):
+            idx = [p for p, n in enumerate(names) if n == name]
+            items = [
+                (
+                    prompts[p]["messages"][-1]["content"],
+                    text,
+                    {"answer": prompts[p].get("answer"), **prompts[p]},
+                )
+                for p in idx
+                for text in texts[p]
+            ]
+            res = self.pool.compute(name, items)
+            values = iter(res.rewards)
+            for p in idx:
+                grouped[p] = [next(values) for _ in texts[p]]
+            errors += len(res.failed)
+        for name in sorted(set(names) & self.group_names):
+            idx = [p for p, n in enumerate(names) if n == name]
+            scores = self.group_rewards[name].score_groups(
+                [(prompts[p]["messages"], texts[p], prompts[p]) for p in idx], seed=seed
+            )
+            for p, r in zip(idx, scores.rewards):
+                grouped[p] = [float(x) for x in r]
+            metrics[f"{name}_prompts"] = len(idx)
+            metrics.update({f"{name}_{k}": v for k, v in scores.stats.items()})
+        raw = [r for g in grouped for r in g]
+        truncated = [s.finish_reason == "length" for g in samples for s in g]
         shaped = [r - (self.cfg.truncation_penalty if cut else 0.0) for r, cut in zip(raw, truncated)]
-        return shaped, raw, len(res.failed)
+        return _Rewards(shaped, raw, errors, texts, grouped, metrics)
+
+    def _refine_critic(self, tasks: list[dict], scored: _Rewards, iteration: int) -> dict[str, Any]:
+        """The critic against the verifiable rewards of this iteration's verifiable prompts; the pairs
+        it got wrong go to `critic_sft/iteration-N.jsonl` (chat JSONL for `k2 sft --data`)."""
+        from k2_rl.rewards.rubric import write_sft
+
+        rubric = self.group_rewards.get("rubric")
+        if rubric is None or not self.cfg.critic_refine_pairs:
+            return {}
+        ver = [p for p, t in enumerate(tasks) if self._reward_name(t) not in self.group_names]
+        if not ver:
+            return {}
+        t0 = time.perf_counter()
+        ref = rubric.refine(
+            [(tasks[p]["messages"], scored.texts[p], tasks[p], scored.grouped[p]) for p in ver],
+            max_pairs=self.cfg.critic_refine_pairs,
+            seed=derive_seed(self.cfg.seed, "critic-refine", iteration),
+        )
+        path = self.run_dir / "critic_sft" / f"iteration-{iteration + 1:06d}.jsonl"
+        if ref.sft_records:
+            write_sft(ref.sft_records, path)
+        else:
+            path.unlink(missing_ok=True)  # a resumed iteration that now has none
+        return {**ref.metrics(), "critic_refine_s": time.perf_counter() - t0}
 
     def _evaluate(self) -> dict[str, float]:
         prompts = [self.render(t["messages"]) for t in self.heldout]
         samples = self._generate(
             prompts, n=1, temperature=0.0, max_tokens=self.cfg.max_response_tokens, seed=0
         )
-        _, raw, _ = self._rewards(self.heldout, samples)
+        raw = self._rewards(self.heldout, samples).raw
         lengths = [len(g[0].token_ids) for g in samples]
         return {
             "heldout_accuracy": sum(r >= 1.0 for r in raw) / len(raw),
@@ -404,11 +539,13 @@ class _Loop:
         self._setup()
         self._stop_set = set(self._stop_ids())
         self.pool = RewardPool(
-            self.cfg.reward_workers, timeout_s=self.cfg.reward_timeout_s, preload=(self.cfg.reward,)
+            self.cfg.reward_workers, timeout_s=self.cfg.reward_timeout_s, preload=tuple(self.response_names)
         )
         self.worker = None
         try:
             self._start_rollout()
+            if self.group_names:
+                self._setup_group_rewards()
             self._init_ps()
             sync_s = self._sync(f"start-{self.it_state.iteration}")
             self.log(f"policy synced into the rollout engine in {sync_s:.2f} s")
@@ -417,6 +554,8 @@ class _Loop:
         finally:
             self.metrics.on_fit_end(self.trainer, None)
             self.pool.close()
+            if getattr(self, "critic", None) is not None:
+                self.critic.close()
             if self.worker is not None:
                 self.worker.close()
             elif hasattr(self, "rollout"):
@@ -456,8 +595,10 @@ class _Loop:
             )
             rollout_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            rewards, raw, reward_errors = self._rewards(tasks, samples)
+            scored = self._rewards(tasks, samples, seed=derive_seed(cfg.seed, "critic", it))
+            rewards, raw, reward_errors = scored.shaped, scored.raw, scored.errors
             reward_s = time.perf_counter() - t0
+            critic_row = self._refine_critic(tasks, scored, it) if self.group_rewards else {}
 
             t0 = time.perf_counter()
             batch = build_batch(prompt_ids, samples, rewards, self.pad_id)
@@ -505,6 +646,8 @@ class _Loop:
                 "clipped_heads": sum(r["clipped_heads"] for r in step_rows),
                 "loss": step_rows[-1]["loss"],
                 "reward_errors": reward_errors,
+                **scored.metrics,
+                **critic_row,
                 "rollout_s": rollout_s,
                 "reward_s": reward_s,
                 "train_s": train_s,

@@ -19,6 +19,10 @@ without registering anything:
 
 A registered or imported class is instantiated with no arguments; a function or an instance is
 returned as it is.
+
+A *group* reward (:class:`GroupReward`, ``group = True``; the built-in ``rubric``) scores all K
+responses of a prompt together instead; :func:`is_group_reward` tells the RL loop which kind a
+name is.
 """
 
 from __future__ import annotations
@@ -32,11 +36,14 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 __all__ = [
     "BaseReward",
+    "GroupReward",
     "Reward",
     "RewardFn",
     "budget_penalty",
     "get_reward",
+    "is_group_reward",
     "list_rewards",
+    "lookup_reward",
     "register_reward",
 ]
 
@@ -73,6 +80,30 @@ class BaseReward:
         return f"{type(self).__name__}(name={self.name!r})"
 
 
+class GroupReward:
+    """A reward that scores all K responses of a prompt at once (``group = True``), e.g. the
+    self-critique rubric reward, which compares them pairwise. The RL loop calls
+    ``score_groups([(messages, responses, task), ...], seed=...)`` in its own process (not in the
+    reward pool) and reads ``.rewards`` (one list per group) and ``.stats``; a class may provide
+    ``from_config(cfg, critic)`` to be built from the run's config."""
+
+    name: str = "group"
+    group: bool = True
+    needs_critic: bool = False  # the loop builds its critic (--critic-url) and passes it to from_config
+
+    def score_groups(self, groups: Any, *, seed: int = 0) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must implement score_groups(groups, seed=...)")
+
+    def __call__(self, prompt: str, response: str, task: dict) -> float:
+        raise TypeError(
+            f"reward {self.name!r} scores a prompt's responses together (a group reward): "
+            "call score_groups, or let the RL loop do it"
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
 _REGISTRY: dict[str, Any] = {}
 
 # Built-in rewards register themselves when their module is imported; get_reward imports the
@@ -81,6 +112,7 @@ _BUILTIN_MODULES: dict[str, str] = {
     "math": "k2_rl.rewards.math",
     "instruction": "k2_rl.rewards.instruction",
     "code": "k2_rl.rewards.code",
+    "rubric": "k2_rl.rewards.rubric",
 }
 
 
@@ -161,6 +193,23 @@ def get_reward(name: str) -> Any:
     if not callable(obj):
         raise TypeError(f"reward {name!r} is not callable: {obj!r}")
     return obj
+
+
+def lookup_reward(name: str) -> Any:
+    """What ``name`` is registered as (or names by an import spec), not instantiated."""
+    if ":" in name:
+        return _load_spec(name)
+    if name not in _REGISTRY and name in _BUILTIN_MODULES:
+        importlib.import_module(_BUILTIN_MODULES[name])
+    if name not in _REGISTRY:
+        known = sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
+        raise KeyError(f"unknown reward {name!r}; registered rewards: {known}")
+    return _REGISTRY[name]
+
+
+def is_group_reward(name: str) -> bool:
+    """Whether the reward ``name`` scores a prompt's responses together (``group = True``)."""
+    return bool(getattr(lookup_reward(name), "group", False))
 
 
 def list_rewards() -> list[str]:
