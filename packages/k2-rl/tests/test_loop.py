@@ -171,10 +171,15 @@ def test_rl_run_metrics_and_exact_resume(tmp_path):
     assert [r["iteration"] for r in rows if "heldout_accuracy" in r] == [0, 2, 4]
     assert (tmp_path / "full" / "plots" / "rl.png").stat().st_size > 1000
 
-    part = run_rl(_cfg(tmp_path, "part", stop_at=2), log=lambda _m: None)
+    # the interrupted run also frees the worker's KV pool before each update (engine switching,
+    # on by default on a GPU): memory changes, the rewards and losses must not
+    part = run_rl(_cfg(tmp_path, "part", stop_at=2, free_rollout_cache="on"), log=lambda _m: None)
     assert part.iterations_done == 2 and part.interrupted
-    resumed = run_rl(_cfg(tmp_path, "part"), resume=True, log=lambda _m: None)
+    resumed = run_rl(_cfg(tmp_path, "part", free_rollout_cache="on"), resume=True, log=lambda _m: None)
     assert resumed.iterations_done == 4
+    switched = [r for r in _rows(tmp_path / "part") if "reward_mean" in r]
+    assert all(r["rollout_cache_freed_mb"] > 0 for r in switched)
+    assert not any("rollout_cache_freed_mb" in r for r in its)  # "auto" on CPU: off
 
     def key(rs):
         return [

@@ -469,3 +469,22 @@ def test_k2_rl_policy_as_its_own_critic(tmp_path):
     assert (
         row["critic_undecided"] == row["critic_pairs"] and row["critic_sft_rows"] == 2 * row["critic_pairs"]
     )
+
+
+def test_rubric_tasks_need_no_answer(tmp_path):
+    """A group reward has no reference answer: read_tasks requires `answer` only for the others."""
+    from k2_rl.tasks import read_tasks
+
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "A haiku."}], "reward": "rubric"})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "1 + 1?"}], "answer": "2"})
+        + "\n"
+    )
+    tasks = read_tasks(path)
+    assert tasks[0]["answer"] is None and tasks[1]["answer"] == "2"
+    (tmp_path / "plain.jsonl").write_text(json.dumps({"messages": []}) + "\n")
+    with pytest.raises(ValueError, match="plain.jsonl:1: task record has no field 'answer'"):
+        read_tasks(tmp_path / "plain.jsonl")
+    assert read_tasks(tmp_path / "plain.jsonl", default_reward="rubric")[0]["answer"] is None

@@ -59,6 +59,11 @@ FLAGS = [
     ("save_every", int, "save the train state every N iterations"),
     ("stop_at", int, "stop after this iteration and save, as an interrupt would"),
     ("rollout", str, "process (a rollout worker synced through k2-ckpt) or inprocess"),
+    (
+        "free_rollout_cache",
+        str,
+        "engine switching: the rollout engine frees its KV pool while the trainer runs (auto = on a GPU; on; off)",
+    ),
     ("reward_workers", int, "reward worker processes"),
     ("seed", int, "random seed (prompts, sampling, init)"),
     ("threads", int, "torch threads of the trainer (0 = torch's default)"),

@@ -45,6 +45,9 @@ class RLConfig(RunConfig):
     temperature_end: float = 1.0  # linear decay from `temperature` to this over the run
     top_p: float = 1.0
     rollout: str = "process"  # "process": `python -m k2_rl.rollout` synced through k2-ckpt
+    # engine switching: the rollout engine frees its KV pool while the trainer runs (colocation on
+    # one device, as K2 does); "auto" = when the policy is on a GPU, "on", "off"
+    free_rollout_cache: str = "auto"
     rollout_threads: int = 0
     reward_workers: int = 2
     reward_timeout_s: float = 10.0
@@ -95,6 +98,7 @@ class RLConfig(RunConfig):
         need(0 <= self.temperature <= 10 and 0 <= self.temperature_end <= 10, "temperature", "in [0, 10]")
         need(0 < self.top_p <= 1, "top_p", "in (0, 1]")
         need(self.rollout in ROLLOUTS, "rollout", " or ".join(ROLLOUTS))
+        need(self.free_rollout_cache in ("auto", "on", "off"), "free_rollout_cache", "auto, on or off")
         need(self.loss in LOSSES, "loss", " or ".join(LOSSES))
         need(self.rl_tau > 0, "rl_tau", "> 0")
         need(self.ptx_coef >= 0, "ptx_coef", ">= 0")

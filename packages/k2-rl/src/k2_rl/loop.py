@@ -215,11 +215,13 @@ class _Loop:
             data = run_dir / "data"
             if not (data / "rl.jsonl").is_file():
                 write_addition_dataset(data, seed=0)
-            self.tasks = read_tasks(data / "rl.jsonl")
-            self.heldout = read_tasks(Path(cfg.heldout) if cfg.heldout else data / "heldout.jsonl")
+            self.tasks = read_tasks(data / "rl.jsonl", cfg.reward)
+            self.heldout = read_tasks(
+                Path(cfg.heldout) if cfg.heldout else data / "heldout.jsonl", cfg.reward
+            )
         else:
-            self.tasks = read_tasks(cfg.tasks)
-            self.heldout = read_tasks(cfg.heldout) if cfg.heldout else []
+            self.tasks = read_tasks(cfg.tasks, cfg.reward)
+            self.heldout = read_tasks(cfg.heldout, cfg.reward) if cfg.heldout else []
         self._resolve_rewards()
         # held-out accuracy is a verifier's: prompts scored by a group reward (a critic) are left out
         self.heldout = [t for t in self.heldout if self._reward_name(t) not in self.group_names]
@@ -443,6 +445,16 @@ class _Loop:
             self.ps.unregister_checkpoint(name)
         return time.perf_counter() - t0
 
+    def _free_rollout_cache(self) -> dict[str, float]:
+        """Engine switching: with the policy on a GPU (or `free_rollout_cache="on"`) the rollout
+        engine gives its KV pool back before the trainer runs; the next rollout regrows it."""
+        mode = self.cfg.free_rollout_cache
+        if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+            return {}
+        t0 = time.perf_counter()
+        freed = self.rollout.free_cache_memory()
+        return {"rollout_cache_freed_mb": freed / 2**20, "rollout_cache_free_s": time.perf_counter() - t0}
+
     def _generate(self, prompts: list[list[int]], **kw: Any) -> list[list[Sample]]:
         """Generate, restarting a dead worker once (with the current policy) before reporting."""
         try:
@@ -599,6 +611,7 @@ class _Loop:
             rewards, raw, reward_errors = scored.shaped, scored.raw, scored.errors
             reward_s = time.perf_counter() - t0
             critic_row = self._refine_critic(tasks, scored, it) if self.group_rewards else {}
+            switch_row = self._free_rollout_cache()
 
             t0 = time.perf_counter()
             batch = build_batch(prompt_ids, samples, rewards, self.pad_id)
@@ -648,6 +661,7 @@ class _Loop:
                 "reward_errors": reward_errors,
                 **scored.metrics,
                 **critic_row,
+                **switch_row,
                 "rollout_s": rollout_s,
                 "reward_s": reward_s,
                 "train_s": train_s,

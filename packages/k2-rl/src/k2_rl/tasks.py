@@ -106,8 +106,13 @@ def write_addition_dataset(
     return {"sft": len(sft), "rl": len(rl), "heldout": len(ho), "digits": digits, "seed": seed}
 
 
-def read_tasks(path: str | Path) -> list[dict]:
-    """Task records of a JSONL file; each needs `messages` and `answer` (named with file:line otherwise)."""
+def read_tasks(path: str | Path, default_reward: str | None = None) -> list[dict]:
+    """Task records of a JSONL file; each needs `messages`, and `answer` unless its `reward` scores
+    a prompt's responses together (a group reward such as `rubric`, which has no reference answer;
+    a task without a `reward` field has `default_reward`, the run's `--reward`). A missing field
+    is named with file:line."""
+    from k2_rl.rewards.base import is_group_reward
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such task file")
@@ -119,9 +124,12 @@ def read_tasks(path: str | Path) -> list[dict]:
             rec = json.loads(line)
         except ValueError as e:
             raise ValueError(f"{path}:{i}: invalid JSON ({e})") from None
-        for key in ("messages", "answer"):
+        reward = rec.get("reward") or default_reward
+        needed = ("messages",) if reward and is_group_reward(reward) else ("messages", "answer")
+        for key in needed:
             if key not in rec:
                 raise ValueError(f"{path}:{i}: task record has no field {key!r}")
+        rec.setdefault("answer", None)
         tasks.append(rec)
     if not tasks:
         raise ValueError(f"{path}: no task records")
