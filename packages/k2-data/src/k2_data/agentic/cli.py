@@ -40,6 +40,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="OpenAI-format tools (JSON list or JSONL); repeatable",
     )
+    p.add_argument(
+        "--evolve-tools",
+        type=int,
+        default=0,
+        metavar="N",
+        help="grow N synthetic tools by hierarchical domain evolution (categories -> domains -> tools) "
+        "through the LLM; they join the repository with source 'synthetic' (default: 0, none)",
+    )
+    p.add_argument("--evolve-categories", type=int, default=4, help="categories of the evolution tree")
+    p.add_argument("--evolve-domains", type=int, default=2, help="application domains per category")
+    p.add_argument(
+        "--dedup-threshold",
+        type=float,
+        default=0.85,
+        help="MiniLM cosine similarity at or above which a synthetic tool is a near-duplicate (dropped)",
+    )
+    p.add_argument(
+        "--no-coverage",
+        action="store_true",
+        help="do not write OUT/tool_coverage.png (PCA of tool embeddings)",
+    )
+    p.add_argument(
+        "--simulate-mcp",
+        action="store_true",
+        help="simulate MCP tools like the others (default: call them on a live server per trajectory)",
+    )
+    p.add_argument("--mcp-timeout-s", type=float, default=30.0, help="per real MCP tool call")
     p.add_argument("--agents", type=int, default=4)
     p.add_argument("--tasks-per-agent", type=int, default=2)
     p.add_argument("--tools-per-agent", type=int, default=3)
@@ -85,6 +112,13 @@ def run(args: argparse.Namespace) -> int:
         min_score=args.min_score,
         judge_model=args.judge_model,
         timeout_s=args.timeout_s,
+        execute_mcp=not args.simulate_mcp,
+        evolve_tools=args.evolve_tools,
+        evolve_categories=args.evolve_categories,
+        evolve_domains=args.evolve_domains,
+        dedup_threshold=args.dedup_threshold,
+        coverage=not args.no_coverage,
+        mcp_timeout_s=args.mcp_timeout_s,
         gen_max_tokens=args.gen_max_tokens,
         limits=Limits(
             max_turns=args.max_turns,
@@ -106,6 +140,16 @@ def run(args: argparse.Namespace) -> int:
         f"({summary['trajectories_this_run']} this run), {summary['accepted']} accepted "
         f"({summary['acceptance_rate']:.0%}), {summary['seconds']} s"
     )
+    if summary.get("evolution"):
+        ev = summary["evolution"]
+        print(
+            f"evolved {ev['kept']} synthetic tools over {len(ev['categories'])} categories / "
+            f"{len(ev['domains'])} domains ({ev['proposed']} proposed, {ev['invalid_schema']} invalid schemas, "
+            f"{ev['invalid_spec']} invalid specs, {ev['name_duplicates']} name clashes, "
+            f"{ev['near_duplicates']} near-duplicates removed)"
+        )
+    if summary.get("coverage") and "path" in summary["coverage"]:
+        print(f"coverage picture: {summary['coverage']['path']}")
     print(json.dumps(summary["counters"]))
     print(f"wrote {args.out} (sft.jsonl: `k2 data sft {args.out / 'sft.jsonl'} --out DIR`)")
     return 0

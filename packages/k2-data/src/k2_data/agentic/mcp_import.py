@@ -110,9 +110,10 @@ class MCPSession:
         """The listed tools as OpenAI `tools` entries."""
         return [{"type": "function", "function": dict(s)} for s in self._specs]
 
-    async def call(self, name: str, arguments: dict[str, Any]) -> str:
-        """The tool's text result; `MCPToolError` when the server reports an error."""
-        result = await self._client.call_tool(name, arguments)
+    async def call(self, name: str, arguments: dict[str, Any], read_timeout_s: float | None = None) -> str:
+        """The tool's text result; `MCPToolError` when the server reports an error. `read_timeout_s`
+        bounds this call (default: the session's)."""
+        result = await self._client.call_tool(name, arguments, read_timeout_seconds=read_timeout_s)
         text = result_text(result)
         if result.is_error:
             raise MCPToolError(text or f"tool {name} failed")

@@ -51,6 +51,13 @@ class AgenticConfig:
     user_model: str | None = None
     tool_model: str | None = None
     timeout_s: float = 300.0
+    evolve_tools: int = 0  # synthetic tools to grow by domain evolution (0: none)
+    evolve_categories: int = 4
+    evolve_domains: int = 2  # application domains per category
+    dedup_threshold: float = 0.85  # embedding cosine at which a synthetic tool is a near-duplicate
+    coverage: bool = True  # write OUT/tool_coverage.png (needs scikit-learn, matplotlib, the embedder)
+    execute_mcp: bool = True  # call MCP tools on their live servers (False: simulate them like the rest)
+    mcp_timeout_s: float = 30.0  # per real MCP tool call
     gen_max_tokens: int = 1024  # per agent-profile and judge reply (twice that for a task list)
 
     def validate(self) -> None:
@@ -60,26 +67,58 @@ class AgenticConfig:
             raise ValueError(f"min_score must be in [0, 1], got {self.min_score}")
         if self.limits.max_turns < 1 or self.limits.max_steps < 1:
             raise ValueError("max_turns and max_steps must be >= 1")
+        if self.evolve_tools < 0 or self.evolve_categories < 1 or self.evolve_domains < 1:
+            raise ValueError("evolve_tools must be >= 0, evolve_categories and evolve_domains >= 1")
+        if not 0 < self.dedup_threshold <= 1:
+            raise ValueError(f"dedup_threshold must be in (0, 1], got {self.dedup_threshold}")
 
 
 def _seed(*parts: Any) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:4], "big")
 
 
-async def build_repository(cfg: AgenticConfig, counters: Counter) -> ToolRepository:
-    path = cfg.out / "tools.jsonl"
+async def build_repository(
+    cfg: AgenticConfig, counters: Counter, client: Any = None
+) -> tuple[ToolRepository, dict[str, Any] | None]:
+    """The repository and the evolution report (None without `evolve_tools`); read back on resume."""
+    path, report_path = cfg.out / "tools.jsonl", cfg.out / "evolution.json"
     if path.exists():
         counters["repository_resumed"] = 1
-        return ToolRepository.load(path)
+        report = json.loads(report_path.read_text()) if report_path.exists() else None
+        return ToolRepository.load(path), report
     repo = ToolRepository()
     if cfg.servers:
         await import_mcp_servers(repo, cfg.servers)
     for f in cfg.tool_files:
         import_openai_json(repo, f)
+    report = None
+    if cfg.evolve_tools > 0:
+        from k2_data.agentic.evolve import EvolveConfig, evolve_tools
+
+        t0 = time.perf_counter()
+        entries, rep = await evolve_tools(
+            client,
+            cfg.model,
+            EvolveConfig(
+                n_tools=cfg.evolve_tools,
+                categories=cfg.evolve_categories,
+                domains_per_category=cfg.evolve_domains,
+                dedup_threshold=cfg.dedup_threshold,
+                seed=cfg.seed,
+                max_tokens=2 * cfg.gen_max_tokens,
+                concurrency=cfg.concurrency,
+            ),
+            existing=repo.entries,
+            counters=counters,
+        )
+        for e in entries:
+            repo.add(e["spec"], "synthetic", e["category"], e["domain"])
+        report = {**rep.as_dict(), "seconds": round(time.perf_counter() - t0, 2)}
+        report_path.write_text(json.dumps(report, indent=2) + "\n")
     if not len(repo):
-        raise ValueError("no tools: give MCP servers and/or OpenAI tool files")
+        raise ValueError("no tools: give MCP servers, OpenAI tool files and/or --evolve-tools")
     repo.save(path)
-    return repo
+    return repo, report
 
 
 async def _arun(cfg: AgenticConfig) -> dict[str, Any]:
@@ -87,8 +126,6 @@ async def _arun(cfg: AgenticConfig) -> dict[str, Any]:
     cfg.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     counters: Counter = Counter()
-    repo = await build_repository(cfg, counters)
-    t_tools = time.perf_counter() - t0
     client = AsyncHTTPChatClient(
         cfg.base_url,
         cfg.api_key,
@@ -97,6 +134,9 @@ async def _arun(cfg: AgenticConfig) -> dict[str, Any]:
         timeout_s=cfg.timeout_s,
     )
     try:
+        repo, evolution = await build_repository(cfg, counters, client)
+        t_tools = time.perf_counter() - t0
+        coverage = _coverage(cfg, repo, counters)
         agents = await asyncio.gather(
             *(
                 make_agent(
@@ -132,7 +172,7 @@ async def _arun(cfg: AgenticConfig) -> dict[str, Any]:
         tasks = [t for ts in task_lists for t in ts]
         rewrite(cfg.out / "tasks.jsonl", tasks)
         by_agent = {a["id"]: a for a in agents}
-        done = await _trajectories(cfg, client, by_agent, tasks, counters)
+        done = await _trajectories(cfg, client, by_agent, tasks, counters, repo)
     finally:
         await client.aclose()
     elapsed = time.perf_counter() - t0
@@ -143,6 +183,8 @@ async def _arun(cfg: AgenticConfig) -> dict[str, Any]:
         "tools": len(repo),
         "tools_by_source": repo.counts(),
         "tool_import_seconds": round(t_tools, 2),
+        "evolution": evolution,
+        "coverage": coverage,
         "agents": len(agents),
         "agents_from_llm": sum(a["origin"] == "llm" for a in agents),
         "tasks": len(tasks),
@@ -153,6 +195,7 @@ async def _arun(cfg: AgenticConfig) -> dict[str, Any]:
         "acceptance_rate": len(accepted) / len(records) if records else 0.0,
         "mean_turns": sum(r["turns"] for r in records) / max(len(records), 1),
         "mean_tool_calls": sum(r["tool_calls"] for r in records) / max(len(records), 1),
+        "real_mcp_calls": sum(len(r.get("mcp_calls") or []) for r in records),
         "seconds": round(elapsed, 2),
         "trajectories_per_second": round(new / elapsed, 4) if elapsed else 0.0,
         "completion_tokens_per_second": round(client.stats.completion_tokens / elapsed, 1)
@@ -167,7 +210,12 @@ async def _arun(cfg: AgenticConfig) -> dict[str, Any]:
 
 
 async def _trajectories(
-    cfg: AgenticConfig, client: Any, agents: dict[str, dict], tasks: list[dict], counters: Counter
+    cfg: AgenticConfig,
+    client: Any,
+    agents: dict[str, dict],
+    tasks: list[dict],
+    counters: Counter,
+    repo: ToolRepository,
 ) -> Ledger:
     ledger = Ledger(cfg.out / "trajectories.jsonl")
     done = ledger.ids()
@@ -180,6 +228,15 @@ async def _trajectories(
     counters["trajectories_skipped_done"] = sum(t["id"] in done for t in tasks)
     lock = asyncio.Lock()
     gate = asyncio.Semaphore(cfg.concurrency)
+    servers_of: dict[str, str] = {}
+    mcp_servers: dict[str, Any] = {}
+    if cfg.execute_mcp:
+        from k2_data.agentic.mcp_import import ServerSpec, server_spec
+
+        for name, command in repo.server_commands().items():
+            spec = server_spec(command)
+            mcp_servers[name] = ServerSpec(name, spec.command, spec.args, spec.env, spec.cwd)
+        servers_of = repo.mcp_servers()
 
     async def one(task: dict[str, Any]) -> None:
         async with gate:
@@ -195,6 +252,13 @@ async def _trajectories(
                 counters,
                 user_model=cfg.user_model,
                 tool_model=cfg.tool_model,
+                mcp_servers=mcp_servers,
+                servers_of={
+                    t["function"]["name"]: servers_of[t["function"]["name"]]
+                    for t in agent["tools"]
+                    if t["function"]["name"] in servers_of
+                },
+                mcp_timeout_s=cfg.mcp_timeout_s,
             )
             verdict = await judge(
                 client,
@@ -220,6 +284,26 @@ async def _trajectories(
         ledger.close()
         sft_ledger.close()
     return ledger
+
+
+def _coverage(cfg: AgenticConfig, repo: ToolRepository, counters: Counter) -> dict[str, Any] | None:
+    """OUT/tool_coverage.png and its numbers (OUT/coverage.json); a resumed run whose repository came back
+    from tools.jsonl unchanged reuses them (loading the embedder and scikit-learn costs seconds)."""
+    if not cfg.coverage:
+        return None
+    png, stats = cfg.out / "tool_coverage.png", cfg.out / "coverage.json"
+    if counters.get("repository_resumed") and png.exists() and stats.exists():
+        return json.loads(stats.read_text())
+    try:
+        from k2_data.agentic.coverage import plot_coverage
+
+        cov = plot_coverage(repo, png)
+    except ImportError as e:  # scikit-learn, matplotlib or the embedding model missing
+        counters["coverage_skipped"] += 1
+        return {"skipped": str(e)}
+    out = {k: v for k, v in cov.items() if k not in ("points", "labels")}
+    stats.write_text(json.dumps(out, indent=2) + "\n")
+    return out
 
 
 def run_agentic(cfg: AgenticConfig) -> dict[str, Any]:

@@ -1,7 +1,10 @@
 """The tool repository: OpenAI tool specs with where each came from, saved as JSONL.
 
 An entry is `{"spec": {"type": "function", "function": {...}}, "source": "mcp:calculator" |
-"json:FILE" | "synthetic", "category": "..."}`. Names are unique in a repository (a later duplicate is
+"json:FILE" | "synthetic", "category": "...", "domain": "...", "server": "..."}`: `category` is the MCP
+server's name, the JSON file's stem or a synthetic tool's category; `domain` a synthetic tool's
+`CATEGORY/DOMAIN` (from domain evolution); `server` how to start an MCP tool's server (a shipped name or a
+command line), so the pipeline can call the tool for real, also when resuming from `tools.jsonl`. Names are unique in a repository (a later duplicate is
 dropped and counted). `sample(k, rng)` draws a tool set for one agent.
 """
 
@@ -23,6 +26,8 @@ class ToolEntry:
     spec: dict[str, Any]
     source: str
     category: str = ""
+    domain: str = ""
+    server: str = ""
 
     @property
     def name(self) -> str:
@@ -37,16 +42,25 @@ class ToolRepository:
     entries: list[ToolEntry] = field(default_factory=list)
     duplicates: int = 0  # entries dropped because their name was already present
 
-    def add(self, spec: dict[str, Any], source: str, category: str = "") -> bool:
+    def add(
+        self, spec: dict[str, Any], source: str, category: str = "", domain: str = "", server: str = ""
+    ) -> bool:
         t = tool_from_spec(spec)  # validates; normalises a bare function object
         if t.name in self.names():
             self.duplicates += 1
             return False
-        self.entries.append(ToolEntry(t.spec(), source, category))
+        self.entries.append(ToolEntry(t.spec(), source, category, domain, server))
         return True
 
-    def extend(self, specs: Iterable[dict[str, Any]], source: str, category: str = "") -> int:
-        return sum(self.add(s, source, category) for s in specs)
+    def extend(
+        self,
+        specs: Iterable[dict[str, Any]],
+        source: str,
+        category: str = "",
+        domain: str = "",
+        server: str = "",
+    ) -> int:
+        return sum(self.add(s, source, category, domain, server) for s in specs)
 
     def names(self) -> set[str]:
         return {e.name for e in self.entries}
@@ -59,6 +73,14 @@ class ToolRepository:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    def mcp_servers(self) -> dict[str, str]:
+        """Tool name -> MCP server name (`mcp:NAME` sources) for the entries that know their server."""
+        return {e.name: e.source[4:] for e in self.entries if e.source.startswith("mcp:") and e.server}
+
+    def server_commands(self) -> dict[str, str]:
+        """MCP server name -> how to start it (a shipped name or a command line)."""
+        return {e.source[4:]: e.server for e in self.entries if e.source.startswith("mcp:") and e.server}
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -86,7 +108,9 @@ class ToolRepository:
         tmp = p.with_suffix(p.suffix + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             for e in self.entries:
-                f.write(json.dumps({"spec": e.spec, "source": e.source, "category": e.category}) + "\n")
+                rec = {"spec": e.spec, "source": e.source, "category": e.category}
+                rec.update({k: v for k, v in (("domain", e.domain), ("server", e.server)) if v})
+                f.write(json.dumps(rec) + "\n")
         tmp.replace(p)
 
     @classmethod
@@ -95,7 +119,13 @@ class ToolRepository:
         for line in Path(path).read_text(encoding="utf-8").splitlines():
             if line.strip():
                 rec = json.loads(line)
-                repo.add(rec["spec"], rec["source"], rec.get("category", ""))
+                repo.add(
+                    rec["spec"],
+                    rec["source"],
+                    rec.get("category", ""),
+                    rec.get("domain", ""),
+                    rec.get("server", ""),
+                )
         return repo
 
 
@@ -112,4 +142,7 @@ async def import_mcp_servers(repo: ToolRepository, servers: list[str], read_time
 
     specs = [server_spec(s) for s in servers]
     listed = await asyncio.gather(*(list_mcp_tools(s, read_timeout_s) for s in specs))
-    return sum(repo.extend(tools, f"mcp:{s.name}", s.name) for s, tools in zip(specs, listed))
+    return sum(
+        repo.extend(tools, f"mcp:{s.name}", s.name, server=text)
+        for text, s, tools in zip(servers, specs, listed)
+    )

@@ -8,7 +8,9 @@ requests, by the `tools` they carry:
 - markers in a task's user request script the failure paths: `MALFORMED` (the agent's first call has
   arguments that are not JSON), `INVALID` (arguments that violate the schema, then a valid retry),
   `UNKNOWN` (a call to an undeclared tool), `REJECT` (the judge rejects), `GARBLED` (the judge answers
-  without JSON). `ScriptedTeacher(markers=[...])` cycles the tasks it writes through these markers.
+  without JSON). `ScriptedTeacher(markers=[...])` cycles the tasks it writes through these markers;
+- `ScriptedTeacher(plan=[(tool, arguments), ...])`: the agent makes exactly these calls, one per step
+  (those of its tool set), then reports every result (for tests of real tool execution).
 """
 
 from __future__ import annotations
@@ -22,6 +24,118 @@ from k2_data.agentic.llm import TAGS, extract_json
 from k2_data.rephrase.loopback import Reply
 
 MARKERS = ("MALFORMED", "INVALID", "UNKNOWN", "REJECT", "GARBLED")
+
+
+def _p(**props: Any) -> dict[str, Any]:
+    """An object schema: `name=type` (required) or `name=(type, enum)`."""
+    out: dict[str, Any] = {}
+    for k, v in props.items():
+        out[k] = {"type": v[0], "enum": list(v[1])} if isinstance(v, tuple) else {"type": v}
+    return {"type": "object", "properties": out, "required": list(props)}
+
+
+# the scripted domain tree: category -> domain -> tools (name, description, parameters)
+BANK: dict[str, dict[str, list[tuple[str, str, dict[str, Any]]]]] = {
+    "Travel": {
+        "Flight booking": [
+            (
+                "search_flights",
+                "Search flights between two airports on a date.",
+                _p(origin="string", destination="string", date="string"),
+            ),
+            (
+                "book_flight",
+                "Book a seat on a flight for a passenger.",
+                _p(flight_id="string", passenger_name="string"),
+            ),
+        ],
+        "Hotels": [
+            (
+                "find_hotels",
+                "Find hotels in a city with free rooms for some nights.",
+                _p(city="string", nights="integer"),
+            ),
+            (
+                "reserve_room",
+                "Reserve a hotel room and return its confirmation number.",
+                _p(hotel_id="string", guest_name="string"),
+            ),
+        ],
+    },
+    "Finance": {
+        "Banking": [
+            ("get_account_balance", "Return the current balance of a bank account.", _p(account_id="string")),
+            (
+                "transfer_money",
+                "Transfer an amount of money between two bank accounts.",
+                _p(from_account="string", to_account="string", amount="number"),
+            ),
+        ],
+        "Investing": [
+            ("get_stock_quote", "Latest market price of a stock ticker symbol.", _p(symbol="string")),
+            (
+                "place_order",
+                "Place a buy or sell order for shares of a stock.",
+                _p(symbol="string", side=("string", ["buy", "sell"]), quantity="integer"),
+            ),
+        ],
+    },
+    "Health": {
+        "Clinic appointments": [
+            (
+                "schedule_appointment",
+                "Schedule a doctor's appointment for a patient.",
+                _p(patient_id="string", doctor="string", time="string"),
+            ),
+            (
+                "cancel_appointment",
+                "Cancel an existing medical appointment by its id.",
+                _p(appointment_id="string"),
+            ),
+        ],
+        "Fitness tracking": [
+            (
+                "log_workout",
+                "Record a workout with its sport and duration in minutes.",
+                _p(sport="string", minutes="integer"),
+            ),
+            ("get_step_count", "The user's daily step count for a date.", _p(date="string")),
+        ],
+    },
+    "Productivity": {
+        "Calendar": [
+            (
+                "create_event",
+                "Create a calendar event with a title, start and end time.",
+                _p(title="string", start="string", end="string"),
+            ),
+            ("list_events", "List the calendar events on a given day.", _p(day="string")),
+        ],
+        "Email": [
+            (
+                "send_email",
+                "Send an email to a recipient with a subject and body.",
+                _p(to="string", subject="string", body="string"),
+            ),
+            ("search_inbox", "Search the inbox for messages matching a query.", _p(query="string")),
+        ],
+    },
+}
+# written into the first domain's tool list when `ScriptedTeacher(evolve_faults=True)`: a schema the
+# meta-schema rejects ("strng" is no JSON type), a near-duplicate of search_flights, and a name clash
+FAULTY_TOOLS = [
+    (
+        "get_flight_status",
+        "Current status of a flight by its number.",
+        {"type": "object", "properties": {"flight": {"type": "strng"}}},
+    ),
+    (
+        "lookup_flights",
+        "Look up flights between two airports on a given date.",
+        _p(origin="string", destination="string", date="string"),
+    ),
+    ("book_flight", "Book a flight seat.", _p(flight_id="string")),
+]
 
 
 def _value(schema: dict[str, Any]) -> Any:
@@ -52,7 +166,9 @@ def invalid_arguments(parameters: dict[str, Any]) -> dict[str, Any]:
     return bad or {"unexpected": True}
 
 
-def tool_call_response(calls: list[tuple[str, str]], content: str | None = None) -> dict[str, Any]:
+def tool_call_response(
+    calls: list[tuple[str, str]], content: str | None = None, start: int = 0
+) -> dict[str, Any]:
     return {
         "id": "chatcmpl-scripted",
         "object": "chat.completion",
@@ -66,7 +182,7 @@ def tool_call_response(calls: list[tuple[str, str]], content: str | None = None)
                     "content": content,
                     "tool_calls": [
                         {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
-                        for i, (n, a) in enumerate(calls)
+                        for i, (n, a) in enumerate(calls, start)
                     ],
                 },
                 "finish_reason": "tool_calls",
@@ -77,8 +193,15 @@ def tool_call_response(calls: list[tuple[str, str]], content: str | None = None)
 
 
 class ScriptedTeacher:
-    def __init__(self, markers: list[str] | None = None):
+    def __init__(
+        self,
+        markers: list[str] | None = None,
+        plan: list[tuple[str, dict[str, Any]]] | None = None,
+        evolve_faults: bool = True,
+    ):
         self.markers = list(markers or [""])
+        self.evolve_faults = evolve_faults
+        self.plan = list(plan or [])
         self.calls: dict[str, int] = {}
 
     def __call__(self, request: dict[str, Any]) -> Reply:
@@ -114,6 +237,26 @@ class ScriptedTeacher:
         ]
         return "Here you go:\n```json\n" + json.dumps({"tasks": tasks}) + "\n```"
 
+    def stage_domains(self, user: str) -> str:
+        n = int(user.rsplit("Write ", 1)[1].split()[0])
+        if not user.startswith("Category: "):
+            return json.dumps(
+                {"categories": [{"name": c, "description": f"{c} apps"} for c in list(BANK)[:n]]}
+            )
+        cat = user.split("\n", 1)[0].removeprefix("Category: ")
+        doms = list(BANK.get(cat, {}))[:n]
+        return json.dumps({"domains": [{"name": d, "description": f"{d} services"} for d in doms]})
+
+    def stage_tools(self, user: str) -> str:
+        n = int(user.rsplit("Write ", 1)[1].split()[0])
+        head = dict(line.split(": ", 1) for line in user.splitlines() if ": " in line)
+        tools = BANK.get(head.get("Category", ""), {}).get(head.get("Domain", ""), [])[:n]
+        first = next(iter(BANK))
+        if self.evolve_faults and head.get("Domain") == next(iter(BANK[first])):
+            tools = tools + FAULTY_TOOLS
+        body = [{"name": a, "description": b, "parameters": c} for a, b, c in tools]
+        return "```json\n" + json.dumps({"tools": body}) + "\n```"
+
     def stage_tool(self, user: str) -> str:
         call = json.loads(user)
         if "fail" in call["tool"]["name"]:
@@ -141,6 +284,15 @@ class ScriptedTeacher:
         good = json.dumps(valid_arguments(target.get("parameters") or {}))
         if len(users) > 1:  # a follow-up: answer without tools
             return Reply(content="Confirmed: it worked.")
+        if self.plan:
+            names = {t["name"] for t in tools}
+            plan = [(n, a) for n, a in self.plan if n in names]
+            done = sum(len(m.get("tool_calls") or []) for m in since if m["role"] == "assistant")
+            if done < len(plan):
+                name, arguments = plan[done]
+                return Reply(body=tool_call_response([(name, json.dumps(arguments))], start=done))
+            results = [str(m.get("content")) for m in since if m["role"] == "tool"]
+            return Reply(content="Done. Results: " + " | ".join(results))
         if not since:
             if "MALFORMED" in first_user:
                 return Reply(body=tool_call_response([(target["name"], '{"key": ')]))

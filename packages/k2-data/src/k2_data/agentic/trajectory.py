@@ -1,5 +1,7 @@
 """One multi-turn trajectory: the user simulator, the agent (`AsyncAgent` on any OpenAI-compatible
-endpoint) and the stateful tool simulator, bounded in user turns, agent steps and tokens.
+endpoint) and the stateful tool simulator, bounded in user turns, agent steps and tokens. Tools that came
+from an MCP server run for real on a live server of their own (`execute.MCPExecutor`) when the rollout is
+given the servers (`mcp_servers`: server name -> ServerSpec, `servers_of`: tool name -> server name).
 
 Stop reasons: `user_done` (the user simulator said [DONE]), `max_turns`, `max_steps` (the agent kept
 calling tools), `length` (a reply cut by max_tokens), `token_budget` (the conversation passed
@@ -39,6 +41,36 @@ async def rollout(
     counters: Counter,
     user_model: str | None = None,
     tool_model: str | None = None,
+    mcp_servers: dict[str, Any] | None = None,
+    servers_of: dict[str, str] | None = None,
+    mcp_timeout_s: float = 30.0,
+) -> dict[str, Any]:
+    executor = None
+    if mcp_servers and servers_of:
+        from k2_data.agentic.execute import MCPExecutor
+
+        executor = MCPExecutor(mcp_servers, timeout_s=mcp_timeout_s, counters=counters)
+    try:
+        return await _rollout(
+            client, model, agent, task, seed, limits, counters, user_model, tool_model, executor, servers_of
+        )
+    finally:
+        if executor is not None:
+            await executor.aclose()
+
+
+async def _rollout(
+    client: Any,
+    model: str,
+    agent: dict[str, Any],
+    task: dict[str, Any],
+    seed: int,
+    limits: Limits,
+    counters: Counter,
+    user_model: str | None,
+    tool_model: str | None,
+    executor: Any,
+    servers_of: dict[str, str] | None,
 ) -> dict[str, Any]:
     sim = ToolSimulator(
         client,
@@ -49,6 +81,9 @@ async def rollout(
         max_tokens=limits.sim_max_tokens,
     )
     tools = sim.tools(agent["tools"])
+    if executor is not None:  # real MCP tools replace their simulated twins, in the same order
+        real = {t.name: t for t in executor.tools(agent["tools"], servers_of or {})}
+        tools = [real.get(t.name, t) for t in tools]
     user = draw_user(random.Random(seed))
     params = {"temperature": limits.temperature, "max_tokens": limits.max_tokens, "seed": seed}
     looper = AsyncAgent(client, tools, model=model, max_steps=limits.max_steps, params=params)
@@ -102,4 +137,5 @@ async def rollout(
         "tool_errors": errors,
         "tokens": tokens,
         "state": sim.state.snapshot(),
+        "mcp_calls": list(executor.calls) if executor is not None else [],
     }
