@@ -1,4 +1,5 @@
-"""`k2 data ...`: tokenize corpora into Arrow shards, train a tokenizer, inspect a tokenized dataset.
+"""`k2 data ...`: tokenize corpora into Arrow shards, train a tokenizer, inspect a tokenized dataset,
+tokenize SFT chats, rephrase documents and synthesize agentic tool-use data through an LLM endpoint.
 
 k2 data tokenize [INPUT ...] --out DIR [--tokenizer PATH] [--text-field text] [--format arrow|parquet]
                  [--workers N] [--on-error fail|skip] [--shard-mb 16] [--engine auto|hf]
@@ -24,7 +25,7 @@ from pathlib import Path
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "data",
-        help="data: tokenize corpora (text or SFT chat) to Arrow shards, train a tokenizer, inspect a dataset",
+        help="data: tokenize corpora (text or SFT chat), train a tokenizer, rephrase, synthesize agentic data",
         description="Data pipeline commands (k2-data).",
     )
     sub = parser.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
