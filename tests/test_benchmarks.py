@@ -47,3 +47,34 @@ def test_rephrase_client_benchmark_prints_its_table():
         line for line in out.splitlines() if line.startswith(("| sequential loop", "| AsyncHTTPChatClient"))
     ]
     assert len(rows) == 2, out
+
+
+@pytest.mark.slow
+def test_rl_iteration_benchmark_prints_its_table(tmp_path):
+    pytest.importorskip("trl", reason="TRL is a benchmark-only dependency: pip install 'k2-rl[bench]'")
+    # random tiny weights, 2 prompts x 2 samples of 4 tokens, one iteration per side
+    out = run_bench(
+        "rl_iteration.py", "--prompts", "2", "--samples", "2", "--max-response-tokens", "4",
+        "--warmup", "0", "--iterations", "1", "--threads", "1", "--reward-workers", "1",
+        "--k2-optimizers", "adamw", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert "machine: " in out
+    rows = [line for line in out.splitlines() if line.startswith(("| TRL GRPOTrainer", "| k2 rl (AdamW)"))]
+    assert len(rows) == 2, out
+    assert all(c.strip() not in ("", "-") for c in rows[1].strip("|").split("|"))  # k2: every phase measured
+    assert "k2 rl (AdamW) vs TRL: per iteration" in out
+
+
+@pytest.mark.slow
+def test_serve_load_benchmark_measures_k2_and_transformers_serve():
+    # the tiny preset's random weights with the Kimi chat template; transformers serve must answer every
+    # request with a non-empty output (the script asserts it and exits non-zero otherwise)
+    out = run_bench(
+        "serve_load.py", "--requests", "2", "--clients", "2", "--max-tokens", "2", "--threads", "1",
+        "--followups", "1", "--anchor", "transformers",
+    )  # fmt: skip
+    assert "machine: " in out
+    rows = [line for line in out.splitlines() if line.startswith(("| k2 serve |", "| transformers serve"))]
+    assert len(rows) == 2, out
+    assert all(row.rstrip().endswith("| 2/2 |") for row in rows), out
+    assert "k2 serve / transformers serve output tokens/s" in out
