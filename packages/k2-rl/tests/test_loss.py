@@ -186,3 +186,24 @@ def test_grpo_trainer_loss_runs_and_is_zero_gradient_free_at_equal_rewards():
     m = Trainer(model, opt, GRPOClippedLoss(), config=TrainerConfig(steps=1, grad_clip=0)).train_step(batch)
     assert m.loss == pytest.approx(0.0, abs=1e-9)
     assert float(model.emb.weight.grad.abs().max()) == 0.0
+
+
+def test_token_logprobs_with_the_head_on_response_positions_only():
+    """K2ForCausalLM applies its head only where a response token is scored (logits_mask): the
+    log-probs and their gradients equal those of the full [B, S, N] logits."""
+    from k2_model import K2Config, K2ForCausalLM
+    from k2_model.testing import SMALL_OVERRIDES
+    from k2_rl.loss import token_logprobs
+
+    torch.manual_seed(0)
+    model = K2ForCausalLM(K2Config.preset("tiny", **SMALL_OVERRIDES))
+    batch = _rl_batch(V=200)
+    got = token_logprobs(model, batch)
+    full = torch.log_softmax(model(batch["input_ids"]).logits.float(), -1)
+    want = full.gather(-1, batch["shift_labels"].clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    want = want * (batch["shift_labels"] != -100)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got[batch["shift_labels"] == -100] == 0).all()
+    (g_got,) = torch.autograd.grad(got.sum(), model.lm_head.weight)
+    (g_want,) = torch.autograd.grad(want.sum(), model.lm_head.weight)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-6)

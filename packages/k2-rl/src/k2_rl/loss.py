@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from k2_train.losses import takes_logits_mask
 from torch import Tensor, nn
 
 IGNORE_INDEX = -100
@@ -132,11 +133,18 @@ def token_logprobs(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     inputs = {
         k: batch[k] for k in ("input_ids", "position_ids", "document_ids", "attention_mask") if k in batch
     }
-    logits = model(**inputs).logits.float()
     labels = batch["shift_labels"]
+    response = labels != IGNORE_INDEX
+    if takes_logits_mask(model):  # the head and softmax on the response positions only
+        logits_KN = model(**inputs, logits_mask=response).logits.float()
+        logp_K = torch.log_softmax(logits_KN, dim=-1).gather(-1, labels[response].unsqueeze(-1)).squeeze(-1)
+        return torch.zeros(labels.shape, dtype=logp_K.dtype, device=logp_K.device).masked_scatter(
+            response, logp_K
+        )
+    logits = model(**inputs).logits.float()
     safe = labels.clamp_min(0)
     logp = torch.log_softmax(logits, dim=-1).gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    return logp * (labels != IGNORE_INDEX)
+    return logp * response
 
 
 def sequence_logprobs(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:

@@ -65,16 +65,21 @@ class NextTokenLoss:
         # A model without `logits_mask` (any nn.Module returning .logits) gives [B, S, N]: select.
         trained_BS = batch["shift_labels"] != IGNORE_INDEX
         inputs = model_inputs(batch)
-        if _takes_logits_mask(type(model)):
+        if takes_logits_mask(model):
             inputs["logits_mask"] = trained_BS
         logits = model(**inputs).logits
         logits_KN = logits[trained_BS] if logits.dim() == 3 else logits
         return F.cross_entropy(logits_KN.float(), batch["shift_labels"][trained_BS], reduction="sum")
 
 
+def takes_logits_mask(model: nn.Module) -> bool:
+    """Whether `model`'s forward names a `logits_mask` parameter (K2ForCausalLM does): then it can
+    apply its head only at the positions a loss reads."""
+    return _forward_takes_logits_mask(type(model))
+
+
 @functools.cache
-def _takes_logits_mask(model_type: type) -> bool:
-    """Whether `model_type.forward` names a `logits_mask` parameter (K2ForCausalLM does)."""
+def _forward_takes_logits_mask(model_type: type) -> bool:
     try:
         return "logits_mask" in inspect.signature(model_type.forward).parameters
     except (TypeError, ValueError):
@@ -97,4 +102,12 @@ def check_batch(batch: dict[str, Tensor]) -> None:
         raise ValueError("batch has no 'input_ids' tensor")
 
 
-__all__ = ["IGNORE_INDEX", "Loss", "NextTokenLoss", "check_batch", "mean_loss", "model_inputs"]
+__all__ = [
+    "IGNORE_INDEX",
+    "Loss",
+    "NextTokenLoss",
+    "check_batch",
+    "mean_loss",
+    "model_inputs",
+    "takes_logits_mask",
+]
