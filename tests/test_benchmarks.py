@@ -3,6 +3,7 @@ is asserted; the numbers are measured by hand on a quiet machine and go into the
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,19 @@ def test_serve_load_benchmark_measures_k2_and_transformers_serve():
     assert len(rows) == 2, out
     assert all(row.rstrip().endswith("| 2/2 |") for row in rows), out
     assert "k2 serve / transformers serve output tokens/s" in out
+
+
+@pytest.mark.slow
+def test_rl_proof_driver_runs_every_stage(tmp_path):
+    # one seed, one objective, one iteration: SFT, k2 rl, the continued-SFT baseline, the ruler, the table
+    out = run_bench(
+        "rl_proof.py", "--seeds", "0", "--objectives", "k15", "--iterations", "1", "--sft-steps", "2",
+        "--out", str(tmp_path), "--task-args", "--n-sft 64 --n-rl 32 --n-heldout 8",
+        "--sft-args", "--seq-len 128 --batch 4 --eval-every 0 --save-every 0 --threads 1",
+        "--rl-args", "--prompts-per-iteration 2 --samples-per-prompt 2 --max-response-tokens 8 --eval-every 1 "
+        "--eval-prompts 4 --reward-workers 1 --threads 1 --rollout-threads 1",
+    )  # fmt: skip
+    assert "| seed | SFT | SFT continued (same steps) | RL, K1.5 objective |" in out
+    assert (tmp_path / "rl_proof.png").stat().st_size > 1000
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["seeds"]["0"]["rl_steps"] == 1 and "baseline_accuracy" in results["seeds"]["0"]
