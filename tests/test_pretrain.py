@@ -111,13 +111,17 @@ def test_stop_and_resume_is_bit_identical(tmp_path, corpus):
 
 def test_cli_resume_and_errors(tmp_path, corpus, capsys):
     cfg_file = tmp_path / "pretrain.json"
-    cfg_file.write_text(json.dumps(_cfg(tmp_path, corpus, steps=3, eval_every=0).to_dict()))
+    cfg_file.write_text(json.dumps(_cfg(tmp_path, corpus, steps=4, eval_every=0).to_dict()))
     assert main(["pretrain", "--config", str(cfg_file), "--stop-at", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["steps_done"] == 2 and out["interrupted"]
+    # a resume may name a new stop point (the stored one is spent)
+    assert main(["pretrain", "--resume", str(tmp_path / "run"), "--stop-at", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["steps_done"] == 3 and out["interrupted"]
     assert main(["pretrain", "--resume", str(tmp_path / "run"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["steps_done"] == 3 and not out["interrupted"]
+    assert out["steps_done"] == 4 and not out["interrupted"]
     # Starting again into a run directory that has a run is refused (resume it instead).
     assert main(["pretrain", "--config", str(cfg_file)]) == 2
     bad = tmp_path / "bad.json"

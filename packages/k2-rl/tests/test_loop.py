@@ -215,3 +215,62 @@ def test_worker_frees_its_kv_pool_between_rollouts():
             assert after == before and rollout.engine.cache.allocated_bytes() > 0
     finally:
         rollout.close()
+
+
+@pytest.mark.dist
+def test_torchrun_trainer_with_ep_matches_one_process_and_resumes(tmp_path):
+    """`k2 rl` under torchrun: 2 trainer processes (FSDP2 x EP2 on gloo), rank 0 driving the
+    rollout worker and the rewards, each rank training on its own 2 of the 4 prompts. Stopped after
+    iteration 1 and resumed, it gives the one-process run's rewards and held-out accuracies exactly
+    (the worker samples from the same synced weights) and its losses within fp32 reduction-order
+    tolerance (rel 1e-4: the gradients are summed across ranks in another order)."""
+    import subprocess
+    import sys
+
+    # rewards that differ within a group even for a random policy (instruction checkers on its
+    # text): with equal rewards the gradient is rounding noise, which Muon's normalised update
+    # would amplify into different steps
+    constraints = [
+        {"type": "char_count", "max": 30},
+        {"type": "word_count", "max": 4},
+        {"type": "no_commas"},
+        {"type": "lowercase"},
+    ]
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"Say something short ({i})."}],
+                        "constraints": constraints}) + "\n"
+            for i in range(8)
+        )
+    )  # fmt: skip
+    kw = dict(iterations=2, eval_every=2, eval_prompts=4, tasks=str(tasks), heldout=str(tasks))
+    kw.update(reward="instruction", truncation_penalty=0.0)
+    run_rl(_cfg(tmp_path, "one", **kw), log=lambda _m: None)
+    cfg_file = tmp_path / "two.json"
+    cfg_file.write_text(json.dumps(_cfg(tmp_path, "two", ep=2, stop_at=1, **kw).to_dict()))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def torchrun(*args: str) -> None:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             "-m", "k2_stack", "rl", *args, "--json"],
+            capture_output=True, text=True, env=env, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+    torchrun("--config", str(cfg_file))
+    assert [r["iteration"] for r in _rows(tmp_path / "two") if "reward_mean" in r] == [1]
+    torchrun("--resume", str(tmp_path / "two"), "--stop-at", "0")
+    one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+
+    def its(rows, key):
+        return [(r["iteration"], r.get(key)) for r in rows if key in r]
+
+    for key in ("reward_mean", "solve_rate", "response_tokens_mean", "heldout_accuracy"):
+        assert its(two, key) == its(one, key), key
+    losses = [(r["loss"], r["step"]) for r in one if "reward_mean" not in r and "loss" in r]
+    losses_two = [(r["loss"], r["step"]) for r in two if "reward_mean" not in r and "loss" in r]
+    assert [s for _, s in losses_two] == [s for _, s in losses] == [1, 2, 3, 4]
+    for (a, _), (b, _) in zip(losses, losses_two):
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-6)

@@ -69,6 +69,7 @@ FLAGS = [
     ("threads", int, "torch threads of the trainer (0 = torch's default)"),
     ("rollout_threads", int, "torch threads of the rollout worker (0 = torch's default)"),
     ("device", str, "auto, cpu or cuda"),
+    ("ep", int, "under torchrun: routed experts split over N trainer ranks (FSDP2 x EP)"),
 ]
 RESUME_MAY_CHANGE = {"threads", "rollout_threads", "stop_at", "device", "reward_workers", "critic_url"}
 

@@ -133,8 +133,9 @@ def resumed_config(run_dir: Path, config_cls: type, overrides: dict[str, Any], m
             + "; ".join(changed)
             + ". Start a new run (--out) to train with other settings."
         )
-    kept = {k: v for k, v in overrides.items() if k in may_change}
-    return dataclasses.replace(cfg, stop_at=0, out=str(run_dir), **kept)
+    # the stored stop point is spent: a resume runs to the end unless --stop-at names a new one
+    kept = {"stop_at": 0, **{k: v for k, v in overrides.items() if k in may_change}}
+    return dataclasses.replace(cfg, out=str(run_dir), **kept)
 
 
 class RichProgress:

@@ -78,6 +78,9 @@ class RLConfig(RunConfig):
     threads: int = 0
     device: str = "auto"
     dtype: str = "auto"
+    # under torchrun: the trainer's processes (FSDP2; with ep > 1 the routed experts split over ep
+    # ranks, as in `k2 pretrain --ep`); rank 0 also drives the rollout worker and the rewards
+    ep: int = 1
 
     task = "rl"
 
@@ -115,6 +118,7 @@ class RLConfig(RunConfig):
         need(self.optimizer in ("muonclip", "muon", "adamw"), "optimizer", "muonclip, muon or adamw")
         need(self.lr > 0, "lr", "> 0")
         need(self.eval_every >= 0 and self.save_every >= 0 and self.stop_at >= 0, "eval_every", "counts >= 0")
+        need(self.ep >= 1, "ep", ">= 1")
         need(self.reward_workers > 0, "reward_workers", "> 0")
         need(self.critic_concurrency > 0, "critic_concurrency", "> 0")
         need(self.critic_max_tokens > 0, "critic_max_tokens", "> 0")

@@ -23,6 +23,13 @@ Each iteration:
    rollout worker's receiver (`update`), which loads it between two engine steps.
 6. Every `eval_every` iterations: greedy accuracy on the held-out prompts.
 
+Under torchrun the trainer runs on every process (FSDP2, or FSDP2 x EP with `ep` > 1, as
+`k2 pretrain`); rank 0 alone drives the rollout worker, the rewards and the metrics. It
+broadcasts each iteration's batch, every rank trains on its own whole prompts (P / world each;
+the Trainer normalises over the global batch, so the step equals the one-process step), and the
+sync gathers the full state dict onto rank 0, the single owner in k2-ckpt's update. Any step
+that may have to re-sync (a dead worker restarted) is entered by all ranks together.
+
 The run's state (policy, optimizer, scheduler, RNG, trainer step, iteration) is a k2-train
 `TrainState`, saved atomically; `resume=True` continues exactly (prompts and sampling seeds are
 functions of the iteration, and the restarted worker first gets the saved policy). A rollout
@@ -44,6 +51,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from k2_train import distributed as dd
 
 from k2_rl.config import RLConfig
 from k2_rl.loss import GRPOClippedLoss, KimiK15Loss, sequence_logprobs, token_logprobs
@@ -163,6 +171,10 @@ def load_tokenizer_for(init: str | None):
 # ----------------------------------------------------------------------------- the run
 
 
+def _rank0_requests(_mapping: dict) -> None:
+    """The `req_func` of ranks other than 0 in k2-ckpt's update (which calls it on rank 0 only)."""
+
+
 def run_rl(
     cfg: RLConfig,
     resume: bool = False,
@@ -199,22 +211,52 @@ class _Loop:
         from k2_rl.tasks import read_tasks, write_addition_dataset
 
         cfg, run_dir = self.cfg, self.run_dir
+        self.device = torch.device(
+            "cuda"
+            if cfg.device == "auto" and torch.cuda.is_available()
+            else ("cpu" if cfg.device == "auto" else cfg.device)
+        )
+        self.info = info = dd.init_distributed(self.device.type)
+        if self.device.type == "cuda" and info.enabled:
+            self.device = torch.device("cuda", info.local_rank)
+            torch.cuda.set_device(self.device)
+        if not info.is_main:
+            self.log = lambda _m: None
+        if info.enabled:
+            if cfg.rollout != "process":
+                raise ValueError(
+                    f"rl config: rollout={cfg.rollout!r}: under torchrun the rollout engine is a worker "
+                    "process driven by rank 0 (rollout='process')"
+                )
+            if cfg.prompts_per_iteration % info.world_size:
+                raise ValueError(
+                    f"rl config: prompts_per_iteration={cfg.prompts_per_iteration}: expected a multiple of "
+                    f"the {info.world_size} processes (each trains on whole prompts)"
+                )
+            local = cfg.prompts_per_iteration // info.world_size
+            if cfg.micro_prompts and local % cfg.micro_prompts:
+                raise ValueError(
+                    f"rl config: micro_prompts={cfg.micro_prompts}: expected a divisor of the "
+                    f"{local} prompts each of the {info.world_size} processes trains on"
+                )
         if self.resume and latest_state(run_dir) is None:
             raise FileNotFoundError(f"--resume {run_dir}: no complete train state under {run_dir / 'state'}")
         if not self.resume and latest_state(run_dir) is not None:
             raise FileExistsError(
                 f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick a new --out"
             )
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = run_dir / f".{CONFIG}.tmp"
-        tmp.write_text(json.dumps(dict(cfg.to_dict(), task="rl"), indent=2))
-        os.replace(tmp, run_dir / CONFIG)
+        if info.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            tmp = run_dir / f".{CONFIG}.tmp"
+            tmp.write_text(json.dumps(dict(cfg.to_dict(), task="rl"), indent=2))
+            os.replace(tmp, run_dir / CONFIG)
 
         # tasks
         if cfg.tasks is None:
             data = run_dir / "data"
-            if not (data / "rl.jsonl").is_file():
+            if info.is_main and not (data / "rl.jsonl").is_file():
                 write_addition_dataset(data, seed=0)
+            dd.barrier(info)
             self.tasks = read_tasks(data / "rl.jsonl", cfg.reward)
             self.heldout = read_tasks(
                 Path(cfg.heldout) if cfg.heldout else data / "heldout.jsonl", cfg.reward
@@ -236,23 +278,24 @@ class _Loop:
         self.pad_id = int(
             self.tok.pad_id if getattr(self.tok, "pad_id", None) is not None else self.tok.eos_id
         )
-        self.device = torch.device(
-            "cuda"
-            if cfg.device == "auto" and torch.cuda.is_available()
-            else ("cpu" if cfg.device == "auto" else cfg.device)
-        )
         self.model = build_model(
             cfg, self.tok.vocab_size, self.device
         )  # seeded init, then cfg.init's weights
         self.model.train()
+        if info.enabled:
+            from k2_model.parallelize import parallelize
+
+            cfg.validate_layout(info.world_size, self.model.config.n_routed_experts)
+            parallelize(self.model, data_parallel=True, ep=cfg.ep)
         self.optimizer = build_optimizer(cfg, self.model)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _s: 1.0)
         self.loss = (
             KimiK15Loss(cfg.rl_tau, cfg.ptx_coef) if cfg.loss == "k15" else GRPOClippedLoss(cfg.clip_eps)
         )
         K = cfg.samples_per_prompt
-        self.rows_per_micro = (cfg.micro_prompts or cfg.prompts_per_iteration) * K
-        self.metrics = JSONLMetrics(run_dir / METRICS)
+        local_prompts = cfg.prompts_per_iteration // info.world_size
+        self.rows_per_micro = (cfg.micro_prompts or local_prompts) * K
+        self.metrics = JSONLMetrics(run_dir / METRICS) if info.is_main else None
         self.trainer = Trainer(
             self.model,
             self.optimizer,
@@ -264,26 +307,30 @@ class _Loop:
                 grad_clip=cfg.grad_clip,
                 bias_update_speed=cfg.bias_update_speed,
             ),
+            info=info,
             device=self.device,
         )
         self.it_state = _IterationState()
         self.state = TrainState(
             run_dir,
             {
-                "model": ModelState(self.model),
-                "optimizer": OptimizerState(self.model, self.optimizer),
+                "model": ModelState(self.model, info),
+                "optimizer": OptimizerState(self.model, self.optimizer, info),
                 "scheduler": self.scheduler,
                 "rng": RNGState(),
                 "trainer": self.trainer,
                 "rl": self.it_state,
             },
+            info=info,
             meta={"config": cfg.to_dict(), "task": "rl", "model_config": self.model.config.to_hf()},
+            layout={"ep": cfg.ep},
         )
         if self.resume:
             self.state.load()
-        if not (run_dir / "tokenizer").exists():
+        if info.is_main and not (run_dir / "tokenizer").exists():
             self.tok.save(run_dir / "tokenizer")
-        self.metrics.on_fit_start(self.trainer)  # on resume: drop rows after the saved step
+        if self.metrics is not None:
+            self.metrics.on_fit_start(self.trainer)  # on resume: drop rows after the saved step
         self.ptx = self._ptx_rows() if cfg.ptx_coef else None
 
     def _reward_name(self, task: dict) -> str:
@@ -330,8 +377,9 @@ class _Loop:
                 "--critic-url policy to have the rollout engine judge through /generate"
             )
         if url == "policy":
+            # rank 0 alone scores, so under torchrun the critic calls the engine directly
             return PolicyCritic(
-                self._generate,
+                self._generate if not self.info.enabled else self.rollout.generate,
                 self.render,
                 lambda ids: self.tok.decode(ids),
                 self._stop_ids(),
@@ -385,6 +433,9 @@ class _Loop:
     # -------------------------------------------------------------- the rollout engine and sync
     def _start_rollout(self) -> None:
         cfg = self.cfg
+        self.worker = self.rollout = None
+        if not self.info.is_main:  # rank 0 drives the one rollout worker
+            return
         if cfg.rollout == "inprocess":
             import copy
 
@@ -396,7 +447,12 @@ class _Loop:
         if not (init_dir / "config.json").is_file():
             tmp = self.run_dir / ".rollout-init.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
-            self.model.save_pretrained(str(tmp))
+            if self.info.enabled:  # sharded: the architecture only, the first sync brings the weights
+                from k2_model import K2ForCausalLM
+
+                K2ForCausalLM(self.model.config).save_pretrained(str(tmp))
+            else:
+                self.model.save_pretrained(str(tmp))
             self.tok.save(tmp)
             os.replace(tmp, init_dir)
         self.worker = RolloutWorker(
@@ -415,7 +471,7 @@ class _Loop:
     def _init_ps(self) -> None:
         self.ps = None
         self.created_group = False
-        if self.worker is None:
+        if self.worker is None and not self.info.enabled:  # the in-process engine
             return
         import torch.distributed as dist
         from k2_ckpt import ParameterServer
@@ -432,15 +488,17 @@ class _Loop:
     def _sync(self, tag: str) -> float:
         """Push the policy into the rollout engine; returns the seconds it took."""
         t0 = time.perf_counter()
-        named = {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
+        # under FSDP2 a collective whose full dict lands on rank 0 (the others register nothing)
+        named = {k: v.detach().to("cpu") for k, v in dd.full_model_state_dict(self.model, self.info).items()}
         if self.ps is None:  # in-process engine: copy between two engine steps
             target = self.rollout.model
             self.rollout.thread.call_between_steps(lambda: target.load_state_dict(named)).result()
             return time.perf_counter() - t0
         name = f"policy-{tag}"
         self.ps.register_checkpoint(name, named_tensors=named)
+        req = self.rollout.req_func if self.info.is_main else _rank0_requests
         try:
-            self.ps.update(name, self.rollout.req_func)
+            self.ps.update(name, req, ranks=[0])
         finally:
             self.ps.unregister_checkpoint(name)
         return time.perf_counter() - t0
@@ -449,14 +507,32 @@ class _Loop:
         """Engine switching: with the policy on a GPU (or `free_rollout_cache="on"`) the rollout
         engine gives its KV pool back before the trainer runs; the next rollout regrows it."""
         mode = self.cfg.free_rollout_cache
-        if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+        if self.rollout is None or mode == "off" or (mode == "auto" and self.device.type != "cuda"):
             return {}
         t0 = time.perf_counter()
         freed = self.rollout.free_cache_memory()
         return {"rollout_cache_freed_mb": freed / 2**20, "rollout_cache_free_s": time.perf_counter() - t0}
 
     def _generate(self, prompts: list[list[int]], **kw: Any) -> list[list[Sample]]:
-        """Generate, restarting a dead worker once (with the current policy) before reporting."""
+        """Generate, restarting a dead worker once (with the current policy) before reporting.
+        Under torchrun every rank enters (only rank 0's `prompts` count; the others get []), so
+        that they all join the re-sync when rank 0 had to restart the worker."""
+        if self.info.enabled:
+            out: list[list[Sample]] = []
+            restarted = False
+            if self.info.is_main:
+                try:
+                    out = self.rollout.generate(prompts, **kw)
+                except Exception as e:
+                    if self.worker.alive():
+                        raise
+                    self.log(f"the rollout worker died ({e!r}); restarting it with the current policy")
+                    self.rollout = self.worker.restart()
+                    restarted = True
+            if not dd.broadcast_object(restarted, self.info):
+                return out
+            self._sync("restart")
+            return self.rollout.generate(prompts, **kw) if self.info.is_main else []
         try:
             return self.rollout.generate(prompts, **kw)
         except Exception as e:
@@ -533,10 +609,14 @@ class _Loop:
         return {**ref.metrics(), "critic_refine_s": time.perf_counter() - t0}
 
     def _evaluate(self) -> dict[str, float]:
-        prompts = [self.render(t["messages"]) for t in self.heldout]
+        """Greedy held-out accuracy (every rank enters; rank 0's numbers, {} elsewhere)."""
+        main = self.info.is_main
+        prompts = [self.render(t["messages"]) for t in self.heldout] if main else []
         samples = self._generate(
             prompts, n=1, temperature=0.0, max_tokens=self.cfg.max_response_tokens, seed=0
         )
+        if not main:
+            return {}
         raw = self._rewards(self.heldout, samples).raw
         lengths = [len(g[0].token_ids) for g in samples]
         return {
@@ -550,13 +630,16 @@ class _Loop:
 
         self._setup()
         self._stop_set = set(self._stop_ids())
-        self.pool = RewardPool(
-            self.cfg.reward_workers, timeout_s=self.cfg.reward_timeout_s, preload=tuple(self.response_names)
-        )
-        self.worker = None
+        self.pool = self.worker = None
+        if self.info.is_main:  # rewards are computed by rank 0 only
+            self.pool = RewardPool(
+                self.cfg.reward_workers,
+                timeout_s=self.cfg.reward_timeout_s,
+                preload=tuple(self.response_names),
+            )
         try:
             self._start_rollout()
-            if self.group_names:
+            if self.group_names and self.info.is_main:
                 self._setup_group_rewards()
             self._init_ps()
             sync_s = self._sync(f"start-{self.it_state.iteration}")
@@ -564,13 +647,15 @@ class _Loop:
             with self._sigint_finishes_iteration():
                 self._iterate()
         finally:
-            self.metrics.on_fit_end(self.trainer, None)
-            self.pool.close()
+            if getattr(self, "metrics", None) is not None:
+                self.metrics.on_fit_end(self.trainer, None)
+            if self.pool is not None:
+                self.pool.close()
             if getattr(self, "critic", None) is not None:
                 self.critic.close()
             if self.worker is not None:
                 self.worker.close()
-            elif hasattr(self, "rollout"):
+            elif getattr(self, "rollout", None) is not None:
                 self.rollout.close()
             if getattr(self, "ps", None) is not None:
                 self.ps.close()
@@ -578,23 +663,23 @@ class _Loop:
                 import torch.distributed as dist
 
                 dist.destroy_process_group()
-        return self._result()
+        try:
+            return self._result()
+        finally:
+            dd.shutdown(self.info)
 
     def _iterate(self) -> None:
-        cfg, K = self.cfg, self.cfg.samples_per_prompt
-        if (
-            self.it_state.iteration == 0
-            and cfg.eval_every
-            and self.heldout
-            and not self._logged_initial_eval()
-        ):
+        cfg, K, info = self.cfg, self.cfg.samples_per_prompt, self.info
+        main = info.is_main
+        first_eval = main and self.it_state.iteration == 0 and not self._logged_initial_eval()
+        if cfg.eval_every and self.heldout and dd.broadcast_object(first_eval, info):
             row = {"iteration": 0, "step": self.trainer.step, **self._evaluate()}
             self._write(row)
         while self.it_state.iteration < cfg.iterations and not self.interrupted:
             it = self.it_state.iteration
             t_it = time.perf_counter()
             temperature = temperature_at(cfg, it)
-            tasks = draw_prompts(self.tasks, cfg.prompts_per_iteration, cfg.seed, it)
+            tasks = draw_prompts(self.tasks, cfg.prompts_per_iteration, cfg.seed, it) if main else []
             prompt_ids = [self.render(t["messages"]) for t in tasks]
             t0 = time.perf_counter()
             samples = self._generate(
@@ -607,79 +692,103 @@ class _Loop:
             )
             rollout_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            scored = self._rewards(tasks, samples, seed=derive_seed(cfg.seed, "critic", it))
-            rewards, raw, reward_errors = scored.shaped, scored.raw, scored.errors
+            payload, scored, critic_row = None, None, {}
+            if main:
+                scored = self._rewards(tasks, samples, seed=derive_seed(cfg.seed, "critic", it))
+                critic_row = self._refine_critic(tasks, scored, it) if self.group_rewards else {}
+                payload = {
+                    "batch": build_batch(prompt_ids, samples, scored.shaped, self.pad_id),
+                    "engine_logp": torch.tensor([sum(s.logprobs) for g in samples for s in g]),
+                }
             reward_s = time.perf_counter() - t0
-            critic_row = self._refine_critic(tasks, scored, it) if self.group_rewards else {}
             switch_row = self._free_rollout_cache()
 
             t0 = time.perf_counter()
-            batch = build_batch(prompt_ids, samples, rewards, self.pad_id)
+            payload = dd.broadcast_object(payload, info)
+            batch = {k: self._my_rows(v) for k, v in payload["batch"].items()}
+            engine_logp = self._my_rows(payload["engine_logp"])
             chunk = self.rows_per_micro
             batch["logp_old"] = policy_logprobs(self.model, batch, chunk)
             if cfg.loss == "grpo":
                 batch["logp_old_tok"] = policy_logprobs(self.model, batch, chunk, per_token=True)
-            engine_logp = torch.tensor([sum(s.logprobs) for g in samples for s in g])
-            n_tok = (batch["shift_labels"] != -100).sum(dim=1).float()
             step_rows = []
             for u in range(cfg.updates_per_iteration):
                 train_batch = dict(batch)
                 if self.ptx is not None:
-                    train_batch.update(
-                        self._ptx_batch(it * cfg.updates_per_iteration + u, batch["input_ids"].shape[0])
-                    )
+                    n_rows = payload["batch"]["input_ids"].shape[0]
+                    ptx = self._ptx_batch(it * cfg.updates_per_iteration + u, n_rows)
+                    train_batch.update({k: self._my_rows(v) for k, v in ptx.items()})
                 m = self.trainer.train_step(train_batch)
                 row = m.row()
                 row["iteration"] = it + 1
                 self._write(row)
                 step_rows.append(row)
             logp_new = policy_logprobs(self.model, batch, chunk)
+            # summed over every rank's rows: tokens, KL(pi_old || pi_theta) per token estimated on
+            # pi_old's own samples (k1), and the engine's sampling log-probs against the trainer's
+            n_tok = dd.all_reduce_scalar(
+                float((batch["shift_labels"] != -100).sum()), "sum", info, self.device
+            )
+            kl = dd.all_reduce_scalar(float((batch["logp_old"] - logp_new).sum()), "sum", info, self.device)
+            mismatch = dd.all_reduce_scalar(
+                float((engine_logp - batch["logp_old"]).abs().sum()), "sum", info, self.device
+            )
             train_s = time.perf_counter() - t0
 
             sync_s = self._sync(str(it + 1))
             self.it_state.iteration = it + 1
-            lengths = [len(s.token_ids) for g in samples for s in g]
-            row = {
-                "iteration": it + 1,
-                "step": self.trainer.step,
-                "reward_mean": statistics.mean(rewards),
-                "reward_std": statistics.pstdev(rewards),
-                "solve_rate": sum(r >= 1.0 for r in raw) / len(raw),
-                "response_tokens_mean": statistics.mean(lengths),
-                "truncation_rate": sum(s.finish_reason == "length" for g in samples for s in g)
-                / len(lengths),
-                # KL(pi_old || pi_theta) per token, estimated on pi_old's own samples (k1)
-                "kl_estimate": float((batch["logp_old"] - logp_new).sum() / n_tok.sum()),
-                # how far the engine's sampling log-probs are from the trainer's (per token)
-                "logp_mismatch": float((engine_logp - batch["logp_old"]).abs().sum() / n_tok.sum()),
-                "temperature": temperature,
-                "max_logit": max(
-                    (r["max_logit"] for r in step_rows if r.get("max_logit") is not None), default=None
-                ),
-                "clipped_heads": sum(r["clipped_heads"] for r in step_rows),
-                "loss": step_rows[-1]["loss"],
-                "reward_errors": reward_errors,
-                **scored.metrics,
-                **critic_row,
-                **switch_row,
-                "rollout_s": rollout_s,
-                "reward_s": reward_s,
-                "train_s": train_s,
-                "sync_s": sync_s,
-            }
             done = it + 1
+            evaluated = {}
             if cfg.eval_every and self.heldout and (done % cfg.eval_every == 0 or done == cfg.iterations):
-                row.update(self._evaluate())
-            row["iteration_s"] = time.perf_counter() - t_it
-            self._write(row)
-            if self.on_iteration is not None:
-                self.on_iteration(row)
+                evaluated = self._evaluate()
+            if main:
+                rewards, raw = scored.shaped, scored.raw
+                lengths = [len(s.token_ids) for g in samples for s in g]
+                row = {
+                    "iteration": done,
+                    "step": self.trainer.step,
+                    "reward_mean": statistics.mean(rewards),
+                    "reward_std": statistics.pstdev(rewards),
+                    "solve_rate": sum(r >= 1.0 for r in raw) / len(raw),
+                    "response_tokens_mean": statistics.mean(lengths),
+                    "truncation_rate": sum(s.finish_reason == "length" for g in samples for s in g)
+                    / len(lengths),
+                    "kl_estimate": kl / n_tok,
+                    "logp_mismatch": mismatch / n_tok,
+                    "temperature": temperature,
+                    "max_logit": max(
+                        (r["max_logit"] for r in step_rows if r.get("max_logit") is not None), default=None
+                    ),
+                    "clipped_heads": sum(r["clipped_heads"] for r in step_rows),
+                    "loss": step_rows[-1]["loss"],
+                    "reward_errors": scored.errors,
+                    **scored.metrics,
+                    **critic_row,
+                    **switch_row,
+                    "rollout_s": rollout_s,
+                    "reward_s": reward_s,
+                    "train_s": train_s,
+                    "sync_s": sync_s,
+                    **evaluated,
+                }
+                row["iteration_s"] = time.perf_counter() - t_it
+                self._write(row)
+                if self.on_iteration is not None:
+                    self.on_iteration(row)
+            # an interrupt on any rank stops every rank after this iteration
+            self.interrupted = bool(dd.all_reduce_scalar(float(self.interrupted), "max", info, self.device))
             stop_here = bool(cfg.stop_at) and done == cfg.stop_at
             due = bool(cfg.save_every) and done % cfg.save_every == 0
             if due or done == cfg.iterations or stop_here or self.interrupted:
                 self.state.save(self.trainer.step)
             if stop_here:
                 self.interrupted = True
+
+    def _my_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a whole-iteration tensor: its P / world prompts' K responses each
+        (rows are grouped by prompt, so every rank holds whole groups)."""
+        n = t.shape[0] // self.info.world_size
+        return t[self.info.rank * n : (self.info.rank + 1) * n]
 
     def _logged_initial_eval(self) -> bool:
         path = self.run_dir / METRICS
@@ -690,6 +799,8 @@ class _Loop:
         )
 
     def _write(self, row: dict) -> None:
+        if self.metrics is None:  # ranks other than 0 log nothing
+            return
         row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         self.metrics.write(row)
 
@@ -711,7 +822,7 @@ class _Loop:
         its = [r for r in rows if "reward_mean" in r]
         accs = [r["heldout_accuracy"] for r in rows if r.get("heldout_accuracy") is not None]
         plots: list[Path] = []
-        if its:
+        if its and self.info.is_main:
             from k2_rl.plots import plot_rl
 
             plots = plot_rl(rows, self.run_dir / "plots")

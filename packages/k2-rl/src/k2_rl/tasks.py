@@ -107,11 +107,11 @@ def write_addition_dataset(
 
 
 def read_tasks(path: str | Path, default_reward: str | None = None) -> list[dict]:
-    """Task records of a JSONL file; each needs `messages`, and `answer` unless its `reward` scores
-    a prompt's responses together (a group reward such as `rubric`, which has no reference answer;
-    a task without a `reward` field has `default_reward`, the run's `--reward`). A missing field
-    is named with file:line."""
-    from k2_rl.rewards.base import is_group_reward
+    """Task records of a JSONL file; each needs `messages` and the fields its `reward` reads
+    (`task_fields`: `answer` for math, `tests` for code, `constraints` for instruction, none for a
+    group reward such as `rubric`; a task without a `reward` field has `default_reward`, the run's
+    `--reward`). A missing field is named with file:line."""
+    from k2_rl.rewards.base import task_fields
 
     path = Path(path)
     if not path.is_file():
@@ -125,7 +125,7 @@ def read_tasks(path: str | Path, default_reward: str | None = None) -> list[dict
         except ValueError as e:
             raise ValueError(f"{path}:{i}: invalid JSON ({e})") from None
         reward = rec.get("reward") or default_reward
-        needed = ("messages",) if reward and is_group_reward(reward) else ("messages", "answer")
+        needed = ("messages", *task_fields(reward)) if reward else ("messages", "answer")
         for key in needed:
             if key not in rec:
                 raise ValueError(f"{path}:{i}: task record has no field {key!r}")

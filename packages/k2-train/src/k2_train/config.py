@@ -51,6 +51,22 @@ class RunConfig:
             raise ValueError(f"{p}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from e
         return cls.from_dict(d.get(cls.task, d), source=str(p))
 
+    def validate_layout(self, world_size: int, n_routed_experts: int) -> None:
+        """`ep` against the process count and the model (known once the run has started)."""
+        ep = getattr(self, "ep", 1)
+        if ep == 1:
+            return
+        if world_size % ep:
+            raise ValueError(
+                f"{self.task} config: ep={ep}: expected a divisor of the number of processes "
+                f"({world_size}); start torchrun with a multiple of {ep} processes"
+            )
+        if n_routed_experts % ep:
+            raise ValueError(
+                f"{self.task} config: ep={ep}: expected a divisor of the model's "
+                f"n_routed_experts={n_routed_experts} (each rank holds whole experts)"
+            )
+
 
 @dataclass
 class PretrainConfig(RunConfig):
@@ -146,21 +162,6 @@ class PretrainConfig(RunConfig):
         need(self.packing in PACKINGS, "packing", " or ".join(PACKINGS))
         need(self.stop_at >= 0, "stop_at", ">= 0")
         need(self.ep >= 1, "ep", ">= 1")
-
-    def validate_layout(self, world_size: int, n_routed_experts: int) -> None:
-        """`ep` against the process count and the model (known once the run has started)."""
-        if self.ep == 1:
-            return
-        if world_size % self.ep:
-            raise ValueError(
-                f"{self.task} config: ep={self.ep}: expected a divisor of the number of processes "
-                f"({world_size}); start torchrun with a multiple of {self.ep} processes"
-            )
-        if n_routed_experts % self.ep:
-            raise ValueError(
-                f"{self.task} config: ep={self.ep}: expected a divisor of the model's "
-                f"n_routed_experts={n_routed_experts} (each rank holds whole experts)"
-            )
 
     def trainer_config(self):
         from k2_train.trainer import TrainerConfig

@@ -72,6 +72,8 @@ class BaseReward:
     """
 
     name: str = "reward"
+    # the task fields the reward reads, checked when tasks are loaded (file:line on a missing one)
+    task_fields: tuple[str, ...] = ("answer",)
 
     def __call__(self, prompt: str, response: str, task: dict) -> float:
         raise NotImplementedError(f"{type(self).__name__} must implement __call__(prompt, response, task)")
@@ -89,6 +91,7 @@ class GroupReward:
 
     name: str = "group"
     group: bool = True
+    task_fields: tuple[str, ...] = ()  # scored against rubrics, not a reference answer
     needs_critic: bool = False  # the loop builds its critic (--critic-url) and passes it to from_config
 
     def score_groups(self, groups: Any, *, seed: int = 0) -> Any:
@@ -210,6 +213,14 @@ def lookup_reward(name: str) -> Any:
 def is_group_reward(name: str) -> bool:
     """Whether the reward ``name`` scores a prompt's responses together (``group = True``)."""
     return bool(getattr(lookup_reward(name), "group", False))
+
+
+def task_fields(name: str) -> tuple[str, ...]:
+    """The task fields reward ``name`` reads besides ``messages``: its ``task_fields`` attribute;
+    ``("answer",)`` for a plain function (a reference answer, as math's), ``()`` for a group reward."""
+    obj = lookup_reward(name)
+    default: tuple[str, ...] = () if getattr(obj, "group", False) else ("answer",)
+    return tuple(getattr(obj, "task_fields", default))
 
 
 def list_rewards() -> list[str]:

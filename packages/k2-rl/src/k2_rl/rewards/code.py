@@ -145,6 +145,8 @@ def extract_program(response: str) -> str:
 class CodeReward(BaseReward):
     """`code_reward` of the response's program against `task["tests"]` (registered as "code")."""
 
+    task_fields = ("tests",)
+
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 512) -> None:
         self.timeout_s, self.memory_mb = timeout_s, memory_mb
 

@@ -358,6 +358,8 @@ def instruction_reward(
 class InstructionReward(BaseReward):
     """Registry adapter: ``task["constraints"]`` is the constraint list."""
 
+    task_fields = ("constraints",)
+
     name = "instruction"
 
     def __init__(
