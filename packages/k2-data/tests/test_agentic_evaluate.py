@@ -114,3 +114,32 @@ def test_heldout_tasks_scored_by_calls_and_final_state(tmp_path):
     creates_only = sum(len(t["rubric"]["expected_calls"]) == 1 for t in tasks)
     assert bad["summary"]["state_accuracy"] < 1.0 and ok_state <= len(tasks) - creates_only
     assert all(s["diff"] for s, t in zip(bad["scores"], tasks) if len(t["rubric"]["expected_calls"]) == 1)
+
+
+def test_cli_heldout_scores_an_endpoint_before_and_after(tmp_path):
+    """`--eval-only --heldout N`: tasks built once over the repository's CRUD tools and read back, so a
+    second endpoint (a student after SFT) is scored on the same tasks; no request cache between them."""
+    from k2_data.agentic.cli import main
+
+    tools = tmp_path / "notes.json"
+    tools.write_text(json.dumps(NOTES))
+    out = tmp_path / "agentic"
+    scores = {}
+    for name, sloppy in (("before", True), ("after", False)):
+        with LoopbackServer(_agent(sloppy)) as server:
+            argv = ["--out", str(out), "--base-url", server.base_url, "--model", "m", "--no-mcp"]
+            argv += ["--tools-json", str(tools), "--eval-only", "--heldout", "5"]
+            argv += ["--scores-file", str(tmp_path / f"{name}.json")]
+            assert main(argv) == 0
+        scores[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    tasks = [json.loads(line) for line in (out / "heldout_tasks.jsonl").read_text().splitlines()]
+    assert len(tasks) == 5 and [s["id"] for s in scores["after"]["scores"]] == [t["id"] for t in tasks]
+    assert scores["before"]["summary"]["bfcl_accuracy"] == 0.0
+    assert scores["after"]["summary"]["bfcl_accuracy"] == 1.0
+    assert scores["after"]["summary"]["state_accuracy"] == 1.0
+    assert not (out / "trajectories.jsonl").exists()  # eval-only generates nothing else
+    # a tool set without a CRUD create is refused by name
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps([NOTES[-1]]))
+    argv = ["--out", str(tmp_path / "x"), "--base-url", "http://127.0.0.1:9", "--model", "m", "--no-mcp"]
+    assert main(argv + ["--tools-json", str(plain), "--eval-only", "--heldout", "3"]) == 1

@@ -89,6 +89,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=300.0, help="per request")
+    p.add_argument(
+        "--heldout",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the run, score the endpoint on N held-out tasks over the CRUD tools (BFCL-style call "
+        "checks, tau-style final state); tasks in OUT/heldout_tasks.jsonl, scores in OUT/heldout_scores.json",
+    )
+    p.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="only score the endpoint on the held-out tasks (e.g. a `k2 serve` student before/after `k2 sft`)",
+    )
+    p.add_argument("--scores-file", type=Path, help="held-out scores file (default OUT/heldout_scores.json)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
         coverage=not args.no_coverage,
         mcp_timeout_s=args.mcp_timeout_s,
         gen_max_tokens=args.gen_max_tokens,
+        heldout=args.heldout,
+        eval_only=args.eval_only,
+        scores_file=args.scores_file,
         limits=Limits(
             max_turns=args.max_turns,
             max_steps=args.max_steps,
@@ -134,6 +151,17 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ImportError, EndpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    held = summary.get("heldout")
+    held_line = (
+        f"held-out ({held['tasks']} tasks, {held['model']}): BFCL calls {held['bfcl_accuracy']:.1%}, "
+        f"call recall {held['call_recall']:.1%}, final state {held['state_accuracy']:.1%}"
+        if held
+        else None
+    )
+    if args.eval_only:
+        print(held_line)
+        print(f"wrote {args.scores_file or args.out / 'heldout_scores.json'}")
+        return 0
     print(
         f"{summary['tools']} tools ({', '.join(f'{k} {v}' for k, v in summary['tools_by_source'].items())}), "
         f"{summary['agents']} agents, {summary['tasks']} tasks, {summary['trajectories']} trajectories "
@@ -150,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if summary.get("coverage") and "path" in summary["coverage"]:
         print(f"coverage picture: {summary['coverage']['path']}")
+    if held_line:
+        print(held_line)
     print(json.dumps(summary["counters"]))
     print(f"wrote {args.out} (sft.jsonl: `k2 data sft {args.out / 'sft.jsonl'} --out DIR`)")
     return 0

@@ -4,7 +4,11 @@
 
 OUT gets `tools.jsonl` (the repository), `agents.jsonl`, `tasks.jsonl`, `trajectories.jsonl` (every
 trajectory with its judge verdict), `sft.jsonl` (the kept ones as `{"id", "messages", "tools"}`, which
-`k2 data sft` tokenizes with loss masks) and `summary.json`. Every LLM call goes through one
+`k2 data sft` tokenizes with loss masks) and `summary.json`; with `heldout=N`, `heldout_tasks.jsonl`
+(N tasks over the repository's CRUD tools, ground truth from the tool simulator's world model) and
+`heldout_scores.json` (the endpoint's BFCL-style call accuracy and tau-style final-state accuracy on
+them); `eval_only=True` scores an endpoint on those tasks and generates nothing else (a student
+before and after `k2 sft`). Every LLM call goes through one
 `AsyncHTTPChatClient` with a persistent request cache (`OUT/.k2-agentic/cache.sqlite`) and bounded
 concurrency. Resumable: the repository is imported once; agents and tasks are regenerated from the cache;
 a trajectory already in `trajectories.jsonl` is skipped, one a kill interrupted is replayed from the
@@ -24,11 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from k2_data.agent.client import AsyncHTTPChatClient
+from k2_data.agentic.evaluate import evaluate, make_heldout_tasks
 from k2_data.agentic.generate import make_agent, make_tasks
 from k2_data.agentic.judge import judge
 from k2_data.agentic.ledger import Ledger, read_records, rewrite
 from k2_data.agentic.repository import ToolRepository, import_mcp_servers, import_openai_json
 from k2_data.agentic.servers import SHIPPED
+from k2_data.agentic.state import classify
 from k2_data.agentic.trajectory import Limits, rollout
 
 
@@ -59,6 +65,9 @@ class AgenticConfig:
     execute_mcp: bool = True  # call MCP tools on their live servers (False: simulate them like the rest)
     mcp_timeout_s: float = 30.0  # per real MCP tool call
     gen_max_tokens: int = 1024  # per agent-profile and judge reply (twice that for a task list)
+    heldout: int = 0  # held-out CRUD tasks the endpoint is scored on after the run (0: none)
+    eval_only: bool = False  # only score the endpoint on the held-out tasks (built once, then read back)
+    scores_file: Path | None = None  # where the held-out scores go (default OUT/heldout_scores.json)
 
     def validate(self) -> None:
         if self.agents < 1 or self.tasks_per_agent < 1 or self.tools_per_agent < 1:
@@ -71,6 +80,10 @@ class AgenticConfig:
             raise ValueError("evolve_tools must be >= 0, evolve_categories and evolve_domains >= 1")
         if not 0 < self.dedup_threshold <= 1:
             raise ValueError(f"dedup_threshold must be in (0, 1], got {self.dedup_threshold}")
+        if self.heldout < 0:
+            raise ValueError(f"heldout must be >= 0, got {self.heldout}")
+        if self.eval_only and not self.heldout:
+            raise ValueError("eval_only scores the endpoint on held-out tasks: give heldout=N (--heldout N)")
 
 
 def _seed(*parts: Any) -> int:
@@ -136,6 +149,9 @@ async def _arun(cfg: AgenticConfig) -> dict[str, Any]:
     try:
         repo, evolution = await build_repository(cfg, counters, client)
         t_tools = time.perf_counter() - t0
+        if cfg.eval_only:
+            heldout = await score_heldout(cfg, repo)
+            return {"tools": len(repo), "tools_by_source": repo.counts(), "heldout": heldout}
         coverage = _coverage(cfg, repo, counters)
         agents = await asyncio.gather(
             *(
@@ -173,6 +189,7 @@ async def _arun(cfg: AgenticConfig) -> dict[str, Any]:
         rewrite(cfg.out / "tasks.jsonl", tasks)
         by_agent = {a["id"]: a for a in agents}
         done = await _trajectories(cfg, client, by_agent, tasks, counters, repo)
+        heldout = await score_heldout(cfg, repo) if cfg.heldout else None
     finally:
         await client.aclose()
     elapsed = time.perf_counter() - t0
@@ -202,6 +219,7 @@ async def _arun(cfg: AgenticConfig) -> dict[str, Any]:
         if elapsed
         else 0.0,
         "client": client.stats.as_dict(),
+        "heldout": heldout,
         "counters": dict(sorted(counters.items())),
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("api_key", "out")},
     }
@@ -304,6 +322,66 @@ def _coverage(cfg: AgenticConfig, repo: ToolRepository, counters: Counter) -> di
     out = {k: v for k, v in cov.items() if k not in ("points", "labels")}
     stats.write_text(json.dumps(out, indent=2) + "\n")
     return out
+
+
+HELDOUT_SYSTEM_PROMPT = "You are a helpful assistant. Use the tools to do exactly what the user asks."
+
+
+def heldout_tasks(cfg: AgenticConfig, repo: ToolRepository) -> list[dict[str, Any]]:
+    """`cfg.heldout` tasks over the repository's CRUD tools, built once into OUT/heldout_tasks.jsonl
+    and read back afterwards, so a student is scored before and after SFT on the same tasks."""
+    path = cfg.out / "heldout_tasks.jsonl"
+    if path.exists():
+        return read_records(path)
+    tasks = make_heldout_tasks([e.spec for e in repo.entries], cfg.heldout, seed=_seed(cfg.seed, "heldout"))
+    if not tasks:
+        raise ValueError(
+            f"--heldout {cfg.heldout}: none of the {len(repo)} tools is a CRUD tool with a create "
+            "operation (names like create_note / add_item / set_key) to build held-out tasks from"
+        )
+    rewrite(path, tasks)
+    return tasks
+
+
+async def score_heldout(cfg: AgenticConfig, repo: ToolRepository) -> dict[str, Any]:
+    """The endpoint (`cfg.base_url`, `cfg.model`) on the held-out tasks: one user turn each, the stateful
+    simulator answering every call (no edge failures), BFCL-style call checks and the final state
+    against the world model's. Written to `cfg.scores_file` (default OUT/heldout_scores.json) with
+    every task's score; returns the summary. No request cache: the same model name served before and
+    after training must not get the earlier answers back."""
+    from dataclasses import replace
+
+    tasks = heldout_tasks(cfg, repo)
+    collections = {classify(c["name"])[1] for t in tasks for c in t["rubric"]["expected_calls"]}
+    tools = [
+        e.spec for e in repo.entries if (k := classify(e.spec["function"]["name"])) and k[1] in collections
+    ]
+    agent = {"id": "heldout", "system_prompt": HELDOUT_SYSTEM_PROMPT, "tools": tools, "origin": "template"}
+    t0 = time.perf_counter()
+    async with AsyncHTTPChatClient(
+        cfg.base_url, cfg.api_key, max_concurrency=cfg.concurrency, timeout_s=cfg.timeout_s
+    ) as client:
+        result = await evaluate(
+            client,
+            cfg.model,
+            agent,
+            tasks,
+            limits=replace(cfg.limits, max_turns=1),
+            seed=cfg.seed,
+            concurrency=cfg.concurrency,
+        )
+    summary = {
+        "model": cfg.model,
+        "base_url": cfg.base_url,
+        **result["summary"],
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    path = cfg.scores_file or cfg.out / "heldout_scores.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"summary": summary, "scores": result["scores"]}, indent=2) + "\n")
+    tmp.replace(path)
+    return summary
 
 
 def run_agentic(cfg: AgenticConfig) -> dict[str, Any]:
