@@ -4,7 +4,8 @@ For each seed: `k2 sft` on the generated tool-use set (k2_data.examples.tooluse,
 `k2 export`, then `k2 serve --model` answers every held-out prompt with `tool_choice="auto"` (no
 guided decoding forcing a call) at temperature 0. A case counts only when the tool name AND the
 parsed arguments equal the reference, and a no-tool prompt gets no call. The baseline is the same
-server on the preset's random init with the same seed (`k2 serve --preset tiny --seed S`).
+server on the run's own random init: the architecture and seeded init `k2 sft` starts from, exported
+before any step (so a `--config` with `model_overrides` gets its own baseline).
 
     python benchmarks/sft_tooluse.py [--seeds 0 1 2] [--steps 300] [--out runs/sft-tooluse] [--device cuda]
 
@@ -130,6 +131,20 @@ def k2(*args: str) -> None:
         raise RuntimeError(f"k2 {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
+def export_random_init(run: Path, out: Path) -> Path:
+    """The model `k2 sft` started `run` from (its config's architecture, seeded init), exported."""
+    import torch
+    from k2_train.builders import build_model
+    from k2_train.config import SFTConfig
+    from k2_train.export import export_model
+
+    saved = json.loads((run / "config.json").read_text())
+    saved.pop("task", None)
+    cfg = SFTConfig.from_dict(saved, source=str(run / "config.json"))
+    model = build_model(cfg, 0, torch.device("cpu"))
+    return export_model(model, run / "tokenizer", out)
+
+
 def _steps_done(run: Path) -> int:
     lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").is_file() else []
     return json.loads(lines[-1])["step"] if lines else 0
@@ -181,7 +196,8 @@ def main() -> int:
         k2("export", str(run), "--out", str(hf))
         with Server("--model", str(hf), "--device", args.device) as srv:
             sft = evaluate(srv.url, heldout, args.max_tokens)
-        with Server("--preset", "tiny", "--seed", str(seed), "--device", args.device) as srv:
+        init = export_random_init(run, args.out / f"seed{seed}-init-hf")
+        with Server("--model", str(init), "--device", args.device) as srv:
             base = evaluate(srv.url, heldout, args.max_tokens)
         metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         rows.append(

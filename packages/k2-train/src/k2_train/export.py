@@ -32,11 +32,17 @@ def export_run(run_dir: str | Path, out_dir: str | Path) -> Path:
         config = model_config(config_cls.from_dict(meta["config"], source=str(latest)))
     model = K2ForCausalLM(config)
     model.load_state_dict(state["components"]["model"])
+    return export_model(model, run_dir / "tokenizer", out_dir)
+
+
+def export_model(model: K2ForCausalLM, tok_dir: str | Path, out_dir: str | Path) -> Path:
+    """`model` and the tokenizer files in `tok_dir` (when it exists) as an HF-format dir with the Kimi
+    chat template, written atomically (e.g. a run's random init, for a before-training baseline)."""
+    tok_dir, out_dir = Path(tok_dir), Path(out_dir)
     # Write into a temporary sibling and rename, so an interrupted export leaves nothing half-written.
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp))
-    tok_dir = run_dir / "tokenizer"
     if tok_dir.is_dir():
         for f in tok_dir.iterdir():
             if f.is_file():

@@ -67,6 +67,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="simulate MCP tools like the others (default: call them on a live server per trajectory)",
     )
     p.add_argument("--mcp-timeout-s", type=float, default=30.0, help="per real MCP tool call")
+    p.add_argument(
+        "--code-tool",
+        action="store_true",
+        help="add run_python to the repository; its calls run for real in k2_data.sandbox (no network, "
+        "own uid and temp dir, time and memory limits), never in the tool simulator",
+    )
+    p.add_argument("--code-timeout-s", type=float, default=10.0, help="per sandboxed program")
+    p.add_argument("--code-memory-mb", type=int, default=256, help="per sandboxed program")
     p.add_argument("--agents", type=int, default=4)
     p.add_argument("--tasks-per-agent", type=int, default=2)
     p.add_argument("--tools-per-agent", type=int, default=3)
@@ -133,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
         dedup_threshold=args.dedup_threshold,
         coverage=not args.no_coverage,
         mcp_timeout_s=args.mcp_timeout_s,
+        code_tool=args.code_tool,
+        code_timeout_s=args.code_timeout_s,
+        code_memory_mb=args.code_memory_mb,
         gen_max_tokens=args.gen_max_tokens,
         heldout=args.heldout,
         eval_only=args.eval_only,

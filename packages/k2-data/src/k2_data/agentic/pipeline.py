@@ -65,6 +65,9 @@ class AgenticConfig:
     execute_mcp: bool = True  # call MCP tools on their live servers (False: simulate them like the rest)
     mcp_timeout_s: float = 30.0  # per real MCP tool call
     gen_max_tokens: int = 1024  # per agent-profile and judge reply (twice that for a task list)
+    code_tool: bool = False  # put `run_python` in the repository; its calls run in k2_data.sandbox
+    code_timeout_s: float = 10.0  # per sandboxed program (wall clock and CPU)
+    code_memory_mb: int = 256
     heldout: int = 0  # held-out CRUD tasks the endpoint is scored on after the run (0: none)
     eval_only: bool = False  # only score the endpoint on the held-out tasks (built once, then read back)
     scores_file: Path | None = None  # where the held-out scores go (default OUT/heldout_scores.json)
@@ -104,6 +107,10 @@ async def build_repository(
         await import_mcp_servers(repo, cfg.servers)
     for f in cfg.tool_files:
         import_openai_json(repo, f)
+    if cfg.code_tool:
+        from k2_data.agentic.code_tool import CODE_CATEGORY, CODE_DOMAIN, CODE_SOURCE, CODE_TOOL_SPEC
+
+        repo.add(CODE_TOOL_SPEC, CODE_SOURCE, CODE_CATEGORY, CODE_DOMAIN)
     report = None
     if cfg.evolve_tools > 0:
         from k2_data.agentic.evolve import EvolveConfig, evolve_tools
@@ -213,6 +220,7 @@ async def _arun(cfg: AgenticConfig) -> dict[str, Any]:
         "mean_turns": sum(r["turns"] for r in records) / max(len(records), 1),
         "mean_tool_calls": sum(r["tool_calls"] for r in records) / max(len(records), 1),
         "real_mcp_calls": sum(len(r.get("mcp_calls") or []) for r in records),
+        "sandboxed_code_calls": sum(len(r.get("code_calls") or []) for r in records),
         "seconds": round(elapsed, 2),
         "trajectories_per_second": round(new / elapsed, 4) if elapsed else 0.0,
         "completion_tokens_per_second": round(client.stats.completion_tokens / elapsed, 1)
@@ -260,6 +268,13 @@ async def _trajectories(
         async with gate:
             seed = _seed(cfg.seed, "trajectory", task["id"])
             agent = agents[task["agent_id"]]
+            code = None
+            if cfg.code_tool:
+                from k2_data.agentic.code_tool import CodeExecutor
+
+                code = CodeExecutor(
+                    timeout_s=cfg.code_timeout_s, memory_mb=cfg.code_memory_mb, counters=counters
+                )
             traj = await rollout(
                 client,
                 cfg.model,
@@ -277,6 +292,7 @@ async def _trajectories(
                     if t["function"]["name"] in servers_of
                 },
                 mcp_timeout_s=cfg.mcp_timeout_s,
+                code=code,
             )
             verdict = await judge(
                 client,

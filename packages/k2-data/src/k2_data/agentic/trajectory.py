@@ -1,7 +1,9 @@
 """One multi-turn trajectory: the user simulator, the agent (`AsyncAgent` on any OpenAI-compatible
 endpoint) and the stateful tool simulator, bounded in user turns, agent steps and tokens. Tools that came
 from an MCP server run for real on a live server of their own (`execute.MCPExecutor`) when the rollout is
-given the servers (`mcp_servers`: server name -> ServerSpec, `servers_of`: tool name -> server name).
+given the servers (`mcp_servers`: server name -> ServerSpec, `servers_of`: tool name -> server name), and
+the code tool `run_python` runs in `k2_data.sandbox` when the rollout is given a `code` executor
+(`code_tool.CodeExecutor`; its calls are the trajectory's `code_calls`).
 
 Stop reasons: `user_done` (the user simulator said [DONE]), `max_turns`, `max_steps` (the agent kept
 calling tools), `length` (a reply cut by max_tokens), `token_budget` (the conversation passed
@@ -44,6 +46,7 @@ async def rollout(
     mcp_servers: dict[str, Any] | None = None,
     servers_of: dict[str, str] | None = None,
     mcp_timeout_s: float = 30.0,
+    code: Any = None,
 ) -> dict[str, Any]:
     executor = None
     if mcp_servers and servers_of:
@@ -52,7 +55,18 @@ async def rollout(
         executor = MCPExecutor(mcp_servers, timeout_s=mcp_timeout_s, counters=counters)
     try:
         return await _rollout(
-            client, model, agent, task, seed, limits, counters, user_model, tool_model, executor, servers_of
+            client,
+            model,
+            agent,
+            task,
+            seed,
+            limits,
+            counters,
+            user_model,
+            tool_model,
+            executor,
+            servers_of,
+            code,
         )
     finally:
         if executor is not None:
@@ -71,6 +85,7 @@ async def _rollout(
     tool_model: str | None,
     executor: Any,
     servers_of: dict[str, str] | None,
+    code: Any = None,
 ) -> dict[str, Any]:
     sim = ToolSimulator(
         client,
@@ -84,6 +99,12 @@ async def _rollout(
     if executor is not None:  # real MCP tools replace their simulated twins, in the same order
         real = {t.name: t for t in executor.tools(agent["tools"], servers_of or {})}
         tools = [real.get(t.name, t) for t in tools]
+    if code is not None:  # the code tool runs in the sandbox (unless an MCP server of that name owns it)
+        from k2_data.agentic.code_tool import CODE_TOOL_NAME
+
+        owned = set(servers_of or {}) if executor is not None else set()
+        if CODE_TOOL_NAME not in owned:
+            tools = [code.tool() if t.name == CODE_TOOL_NAME else t for t in tools]
     user = draw_user(random.Random(seed))
     params = {"temperature": limits.temperature, "max_tokens": limits.max_tokens, "seed": seed}
     looper = AsyncAgent(client, tools, model=model, max_steps=limits.max_steps, params=params)
@@ -138,4 +159,5 @@ async def _rollout(
         "tokens": tokens,
         "state": sim.state.snapshot(),
         "mcp_calls": list(executor.calls) if executor is not None else [],
+        "code_calls": list(code.calls) if code is not None else [],
     }
