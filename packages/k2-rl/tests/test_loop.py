@@ -274,3 +274,10 @@ def test_torchrun_trainer_with_ep_matches_one_process_and_resumes(tmp_path):
     assert [s for _, s in losses_two] == [s for _, s in losses] == [1, 2, 3, 4]
     for (a, _), (b, _) in zip(losses, losses_two):
         assert b == pytest.approx(a, rel=1e-4, abs=1e-6)
+
+
+def test_layout_errors_name_the_flag(tmp_path):
+    with pytest.raises(ValueError, match="ep=2 needs several trainer processes"):
+        run_rl(_cfg(tmp_path, "ep", ep=2), log=lambda _m: None)
+    with pytest.raises(ValueError, match="ep=0"):
+        RLConfig(ep=0).validate()

@@ -222,6 +222,8 @@ class _Loop:
             torch.cuda.set_device(self.device)
         if not info.is_main:
             self.log = lambda _m: None
+        if cfg.ep > 1 and not info.enabled:
+            raise ValueError(f"rl config: ep={cfg.ep} needs several trainer processes (run under torchrun)")
         if info.enabled:
             if cfg.rollout != "process":
                 raise ValueError(
