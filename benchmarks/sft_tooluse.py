@@ -175,7 +175,6 @@ def main() -> int:
     for seed in args.seeds:
         run = args.out / f"seed{seed}"
         hf = args.out / f"seed{seed}-hf"
-        t0 = time.perf_counter()
         if not (run / "state" / "latest").is_file():
             k2(
                 "sft",
@@ -192,14 +191,15 @@ def main() -> int:
             )
         elif _steps_done(run) < args.steps:  # a run stopped part-way: continue it exactly
             k2("sft", "--resume", str(run), "--json")
-        train_s = time.perf_counter() - t0
+        # the run may have been trained earlier (or beside other runs): its own step times count
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        train_s = sum(m.get("step_s") or 0.0 for m in metrics)
         k2("export", str(run), "--out", str(hf))
         with Server("--model", str(hf), "--device", args.device) as srv:
             sft = evaluate(srv.url, heldout, args.max_tokens)
         init = export_random_init(run, args.out / f"seed{seed}-init-hf")
         with Server("--model", str(init), "--device", args.device) as srv:
             base = evaluate(srv.url, heldout, args.max_tokens)
-        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         rows.append(
             {
                 "seed": seed,

@@ -604,60 +604,58 @@ def rephrase(
         from k2_data.rephrase.embed import load_embedder
 
         embedder = load_embedder()
-    return asyncio.run(
-        _arun(
-            out,
-            config,
-            shards,
-            skipped,
-            base_url,
-            api_key,
-            cache,
-            timeout_s,
-            max_retries,
-            backoff_s,
-            progress,
-            client,
-            embedder,
-        )
-    )
+    endpoint = _Endpoint(base_url, api_key, Path(cache) if cache else None, timeout_s, max_retries, backoff_s)
+    return asyncio.run(_arun(_Run(out, config, shards, skipped, endpoint, progress, client, embedder)))
 
 
-async def _arun(
-    out,
-    config,
-    shards,
-    skipped,
-    base_url,
-    api_key,
-    cache,
-    timeout_s,
-    max_retries,
-    backoff_s,
-    progress,
-    client,
-    embedder,
-) -> dict:
+@dataclass(frozen=True)
+class _Endpoint:
+    """Where the requests go and how they are retried and cached (the run's own HTTP client)."""
+
+    base_url: str
+    api_key: str | None
+    cache: Path | None  # None: OUT/.k2-rephrase/cache.sqlite
+    timeout_s: float
+    max_retries: int
+    backoff_s: float
+
+
+@dataclass
+class _Run:
+    """Everything one `rephrase` call hands to its event loop."""
+
+    out: Path
+    config: RephraseConfig
+    shards: list[list[Document]]
+    skipped: list
+    endpoint: _Endpoint
+    progress: bool | Callable[[Counters], None]
+    client: Any  # None: an AsyncHTTPChatClient for `endpoint`, closed at the end
+    embedder: Any  # None: no similarity check
+
+
+async def _arun(run: _Run) -> dict:
     from k2_data.agent.client import AsyncHTTPChatClient, ClientStats
 
-    own = client is None
+    out, config, progress, ep = run.out, run.config, run.progress, run.endpoint
+    client, own = run.client, run.client is None
     if own:
         client = AsyncHTTPChatClient(
-            base_url,
-            api_key,
+            ep.base_url,
+            ep.api_key,
             max_concurrency=config.concurrency,
-            cache=cache or out / STATE_DIR / "cache.sqlite",
-            timeout_s=timeout_s,
-            max_retries=max_retries,
-            backoff_s=backoff_s,
+            cache=ep.cache or out / STATE_DIR / "cache.sqlite",
+            timeout_s=ep.timeout_s,
+            max_retries=ep.max_retries,
+            backoff_s=ep.backoff_s,
         )
     stats: ClientStats = getattr(client, "stats", ClientStats())
-    sim = AsyncSimilarity(embedder) if embedder is not None else None
+    sim = AsyncSimilarity(run.embedder) if run.embedder is not None else None
     bar = _ProgressBar(stats) if progress is True else None
     hook = bar.update if bar else (progress if callable(progress) else None)
     t0 = time.perf_counter()
     try:
-        runner = Rephraser(config, client, out, shards, sim, hook)
+        runner = Rephraser(config, client, out, run.shards, sim, hook)
         counters = await runner.run()
     finally:
         if bar:
@@ -665,7 +663,7 @@ async def _arun(
         if own:
             await client.aclose()
     dt = time.perf_counter() - t0
-    manifest = _manifest(out, config, counters, stats, skipped, dt, base_url)
+    manifest = _manifest(out, config, counters, stats, run.skipped, dt, ep.base_url)
     _atomic_json(out / STATE_DIR / "manifest.json", manifest)
     return manifest
 
