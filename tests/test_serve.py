@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +15,6 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 from k2_data.chat import render_ids
 
 from k2_stack.serve import build_bridge, create_app
@@ -57,22 +55,14 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(serving):
     torch.set_num_threads(1)  # tiny model on shared cores: OpenMP threads only wait for each other
     bridge = build_bridge(None, "tiny", max_model_len=MAX_LEN, seed=0)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(bridge), host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-    yield bridge, client, f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    t.join(10)
-    bridge.close()
+    try:
+        with serving(bridge) as (client, url):
+            yield bridge, client, url
+    finally:
+        bridge.close()
 
 
 def _greedy_reference(model, prompt_ids: list[int], n: int, stop_ids: set[int]) -> list[int]:

@@ -9,21 +9,17 @@ of an `n` request, JSON schemas for structured output.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
-import threading
-import time
 
 import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 from k2_data.chat import render_ids
 from k2_model.engine import sample_seed
 
-from k2_stack.serve import build_bridge, create_app
+from k2_stack.serve import build_bridge
 
 USER = [{"role": "user", "content": "Tell me a story about a cat."}]
 CITY = {
@@ -37,31 +33,15 @@ CITY = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server():
+def server(serving):
     torch.set_num_threads(1)
     bridge = build_bridge(None, "tiny", max_model_len=512, seed=0, block_size=16, log_stats_interval=0)
-    port = _free_port()
-    srv = uvicorn.Server(
-        uvicorn.Config(create_app(bridge, ckpt_rank=None), host="127.0.0.1", port=port, log_level="warning")
-    )
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-    yield bridge, client, f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    t.join(10)
-    bridge.close()
+    try:
+        with serving(bridge, ckpt_rank=None) as (client, url):
+            yield bridge, client, url
+    finally:
+        bridge.close()
 
 
 def _chat(client, **kw):
