@@ -156,7 +156,7 @@ def _rows(run: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_rl_run_metrics_and_exact_resume(tmp_path):
-    full = run_rl(_cfg(tmp_path, "full"), log=lambda _m: None)
+    full = run_rl(_cfg(tmp_path, "full", kl_every=2), log=lambda _m: None)
     assert full.iterations_done == 4 and full.steps == 8 and not full.interrupted
     rows = _rows(tmp_path / "full")
     steps = [r for r in rows if "reward_mean" not in r and "loss" in r]
@@ -164,6 +164,7 @@ def test_rl_run_metrics_and_exact_resume(tmp_path):
     assert [r["step"] for r in steps] == list(range(1, 9))
     assert all(r["max_logit"] is not None and "loss/rl" in r for r in steps)
     assert [r["iteration"] for r in its] == [1, 2, 3, 4]
+    assert [r["kl_estimate"] is not None for r in its] == [False, True, False, True]  # kl_every=2
     for r in its:
         assert -0.5 <= r["reward_mean"] <= 1.0 and 0 <= r["truncation_rate"] <= 1
         assert r["sync_s"] > 0 and r["rollout_s"] > 0
@@ -173,9 +174,11 @@ def test_rl_run_metrics_and_exact_resume(tmp_path):
 
     # the interrupted run also frees the worker's KV pool before each update (engine switching,
     # on by default on a GPU): memory changes, the rewards and losses must not
-    part = run_rl(_cfg(tmp_path, "part", stop_at=2, free_rollout_cache="on"), log=lambda _m: None)
+    part = run_rl(_cfg(tmp_path, "part", stop_at=2, free_rollout_cache="on", kl_every=2), log=lambda _m: None)
     assert part.iterations_done == 2 and part.interrupted
-    resumed = run_rl(_cfg(tmp_path, "part", free_rollout_cache="on"), resume=True, log=lambda _m: None)
+    resumed = run_rl(
+        _cfg(tmp_path, "part", free_rollout_cache="on", kl_every=2), resume=True, log=lambda _m: None
+    )
     assert resumed.iterations_done == 4
     switched = [r for r in _rows(tmp_path / "part") if "reward_mean" in r]
     assert all(r["rollout_cache_freed_mb"] > 0 for r in switched)

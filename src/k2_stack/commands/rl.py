@@ -56,6 +56,7 @@ FLAGS = [
     ("tau", float, "QK-Clip threshold"),
     ("eval_every", int, "held-out greedy accuracy every N iterations (0 = never)"),
     ("eval_prompts", int, "held-out prompts to evaluate (0 = all)"),
+    ("kl_every", int, "log the KL estimate (one more forward) every N iterations (0 = never)"),
     ("save_every", int, "save the train state every N iterations"),
     ("stop_at", int, "stop after this iteration and save, as an interrupt would"),
     ("rollout", str, "process (a rollout worker synced through k2-ckpt) or inprocess"),
@@ -131,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
         line = (
             f"rl iteration {row['iteration']}/{cfg.iterations}  reward {row['reward_mean']:.3f}  "
             f"solved {row['solve_rate']:.1%}{acc}  len {row['response_tokens_mean']:.1f}  "
-            f"kl {row['kl_estimate']:.4f}  rollout {row['rollout_s']:.1f}s train {row['train_s']:.1f}s "
+            + (f"kl {row['kl_estimate']:.4f}  " if row.get("kl_estimate") is not None else "")
+            + f"rollout {row['rollout_s']:.1f}s train {row['train_s']:.1f}s "
             f"sync {row['sync_s']:.2f}s  ({time.monotonic() - t_start:.0f}s)"
         )
         console.print(line, soft_wrap=True, highlight=False)

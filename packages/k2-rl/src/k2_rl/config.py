@@ -71,6 +71,9 @@ class RLConfig(RunConfig):
     # evaluation, state, run
     eval_every: int = 5  # held-out greedy accuracy every N iterations (and at the last); 0 = never
     eval_prompts: int = 0  # held-out prompts to evaluate; 0 = all
+    # the KL(pi_old || pi_theta) estimate costs a forward of the whole batch after the updates (about a
+    # fifth of the training phase at one update per iteration): every N iterations; 0 = never
+    kl_every: int = 1
     save_every: int = 5  # train state every N iterations (the last / stopped one always)
     stop_at: int = 0  # stop after this iteration with a saved state, as an interrupt would
     out: str = "runs/rl"
@@ -119,6 +122,7 @@ class RLConfig(RunConfig):
         need(self.lr > 0, "lr", "> 0")
         need(self.eval_every >= 0 and self.save_every >= 0 and self.stop_at >= 0, "eval_every", "counts >= 0")
         need(self.ep >= 1, "ep", ">= 1")
+        need(self.kl_every >= 0, "kl_every", ">= 0")
         need(self.reward_workers > 0, "reward_workers", "> 0")
         need(self.critic_concurrency > 0, "critic_concurrency", "> 0")
         need(self.critic_max_tokens > 0, "critic_max_tokens", "> 0")

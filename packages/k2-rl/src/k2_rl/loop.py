@@ -725,13 +725,18 @@ class _Loop:
                 row["iteration"] = it + 1
                 self._write(row)
                 step_rows.append(row)
-            logp_new = policy_logprobs(self.model, batch, chunk)
             # summed over every rank's rows: tokens, KL(pi_old || pi_theta) per token estimated on
-            # pi_old's own samples (k1), and the engine's sampling log-probs against the trainer's
+            # pi_old's own samples (k1, one more forward: every kl_every iterations), and the engine's
+            # sampling log-probs against the trainer's
             n_tok = dd.all_reduce_scalar(
                 float((batch["shift_labels"] != -100).sum()), "sum", info, self.device
             )
-            kl = dd.all_reduce_scalar(float((batch["logp_old"] - logp_new).sum()), "sum", info, self.device)
+            kl = None
+            if cfg.kl_every and (it + 1) % cfg.kl_every == 0:
+                logp_new = policy_logprobs(self.model, batch, chunk)
+                kl = dd.all_reduce_scalar(
+                    float((batch["logp_old"] - logp_new).sum()), "sum", info, self.device
+                )
             mismatch = dd.all_reduce_scalar(
                 float((engine_logp - batch["logp_old"]).abs().sum()), "sum", info, self.device
             )
@@ -755,7 +760,7 @@ class _Loop:
                     "response_tokens_mean": statistics.mean(lengths),
                     "truncation_rate": sum(s.finish_reason == "length" for g in samples for s in g)
                     / len(lengths),
-                    "kl_estimate": kl / n_tok,
+                    "kl_estimate": kl / n_tok if kl is not None else None,
                     "logp_mismatch": mismatch / n_tok,
                     "temperature": temperature,
                     "max_logit": max(
