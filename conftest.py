@@ -38,6 +38,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def torchrun():
+    """`torchrun(*k2_args, nproc=2, env=None)`: `k2 K2_ARGS --json` under `torch.distributed.run
+    --standalone` (one OpenMP thread per process, `env` added to the environment); returns the
+    CompletedProcess (stdout, stderr as text) for the test to check."""
+    import subprocess
+    import sys
+
+    def run(*k2_args: str, nproc: int = 2, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+             "-m", "k2_stack", *k2_args, "--json"],
+            capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
+            timeout=600,
+        )  # fmt: skip
+
+    return run
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

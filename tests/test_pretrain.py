@@ -167,37 +167,13 @@ def test_export_loads_in_k2_and_transformers(tmp_path, corpus):
 
 
 @pytest.mark.dist
-def test_two_process_fsdp2_matches_one_process(tmp_path, corpus):
+def test_two_process_fsdp2_matches_one_process(tmp_path, corpus, torchrun):
     """torchrun with 2 processes (FSDP2 on gloo) follows the 1-process run with the same global batch."""
-    import os
-    import subprocess
-    import sys
-
     cfg = _cfg(tmp_path, corpus, steps=4, eval_every=0, out=str(tmp_path / "one"))
     run_pretrain(cfg)
     cfg_file = tmp_path / "two.json"
     cfg_file.write_text(json.dumps(dict(cfg.to_dict(), out=str(tmp_path / "two"), micro_batch=0)))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "k2_stack",
-            "pretrain",
-            "--config",
-            str(cfg_file),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    proc = torchrun("pretrain", "--config", str(cfg_file))
     assert proc.returncode == 0, proc.stderr[-4000:]
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(two) == 4
@@ -208,30 +184,21 @@ def test_two_process_fsdp2_matches_one_process(tmp_path, corpus):
 
 
 @pytest.mark.dist
-def test_two_process_stop_and_resume_is_exact(tmp_path, corpus):
+def test_two_process_stop_and_resume_is_exact(tmp_path, corpus, torchrun):
     """A 2-process (FSDP2) run stopped after step 2 and resumed with 2 processes logs the same
     losses as the uninterrupted 2-process run: the checkpoint holds the full optimizer state."""
-    import os
-    import subprocess
-    import sys
-
     cfg = _cfg(tmp_path, corpus, steps=4, eval_every=0, micro_batch=0)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
 
-    def torchrun(*args: str) -> None:
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-             "-m", "k2_stack", "pretrain", *args, "--json"],
-            capture_output=True, text=True, env=env, timeout=600,
-        )  # fmt: skip
+    def pretrain(*args: str) -> None:
+        proc = torchrun("pretrain", *args)
         assert proc.returncode == 0, proc.stderr[-4000:]
 
     for name, extra in (("full", {}), ("part", {"stop_at": 2})):
         f = tmp_path / f"{name}.json"
         f.write_text(json.dumps(dict(cfg.to_dict(), out=str(tmp_path / name), **extra)))
-        torchrun("--config", str(f))
+        pretrain("--config", str(f))
     assert len(_losses(tmp_path / "part")) == 2
-    torchrun("--resume", str(tmp_path / "part"))
+    pretrain("--resume", str(tmp_path / "part"))
     assert _losses(tmp_path / "part") == _losses(tmp_path / "full")  # exact, not approximate
     # a different process count is refused with a clear message
     with pytest.raises(ValueError, match="same number"):

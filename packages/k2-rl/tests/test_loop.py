@@ -221,15 +221,12 @@ def test_worker_frees_its_kv_pool_between_rollouts():
 
 
 @pytest.mark.dist
-def test_torchrun_trainer_with_ep_matches_one_process_and_resumes(tmp_path):
+def test_torchrun_trainer_with_ep_matches_one_process_and_resumes(tmp_path, torchrun):
     """`k2 rl` under torchrun: 2 trainer processes (FSDP2 x EP2 on gloo), rank 0 driving the
     rollout worker and the rewards, each rank training on its own 2 of the 4 prompts. Stopped after
     iteration 1 and resumed, it gives the one-process run's rewards and held-out accuracies exactly
     (the worker samples from the same synced weights) and its losses within fp32 reduction-order
     tolerance (rel 1e-4: the gradients are summed across ranks in another order)."""
-    import subprocess
-    import sys
-
     # rewards that differ within a group even for a random policy (instruction checkers on its
     # text): with equal rewards the gradient is rounding noise, which Muon's normalised update
     # would amplify into different steps
@@ -252,19 +249,14 @@ def test_torchrun_trainer_with_ep_matches_one_process_and_resumes(tmp_path):
     run_rl(_cfg(tmp_path, "one", **kw), log=lambda _m: None)
     cfg_file = tmp_path / "two.json"
     cfg_file.write_text(json.dumps(_cfg(tmp_path, "two", ep=2, stop_at=1, **kw).to_dict()))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
 
-    def torchrun(*args: str) -> None:
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-             "-m", "k2_stack", "rl", *args, "--json"],
-            capture_output=True, text=True, env=env, timeout=600,
-        )  # fmt: skip
+    def rl(*args: str) -> None:
+        proc = torchrun("rl", *args)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
-    torchrun("--config", str(cfg_file))
+    rl("--config", str(cfg_file))
     assert [r["iteration"] for r in _rows(tmp_path / "two") if "reward_mean" in r] == [1]
-    torchrun("--resume", str(tmp_path / "two"), "--stop-at", "0")
+    rl("--resume", str(tmp_path / "two"), "--stop-at", "0")
     one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
 
     def its(rows, key):
@@ -284,3 +276,27 @@ def test_layout_errors_name_the_flag(tmp_path):
         run_rl(_cfg(tmp_path, "ep", ep=2), log=lambda _m: None)
     with pytest.raises(ValueError, match="ep=0"):
         RLConfig(ep=0).validate()
+
+
+def test_a_killed_rollout_worker_is_restarted_and_resynced(tmp_path):
+    """The worker is SIGKILLed after iteration 1: iteration 2's rollout fails, the loop restarts the
+    worker, pushes the current policy into it and finishes the run."""
+    import re
+    import signal
+
+    logs: list[str] = []
+
+    def kill_worker(row: dict) -> None:
+        if row["iteration"] == 1:
+            pid = int(re.search(r"rollout worker: pid (\d+)", "\n".join(logs)).group(1))
+            os.kill(pid, signal.SIGKILL)
+
+    result = run_rl(
+        _cfg(tmp_path, "killed", iterations=2, eval_every=0, updates_per_iteration=1),
+        log=logs.append,
+        on_iteration=kill_worker,
+    )
+    assert result.iterations_done == 2 and not result.interrupted
+    assert any("the rollout worker died" in m for m in logs)
+    its = [r for r in _rows(tmp_path / "killed") if "reward_mean" in r]
+    assert [r["iteration"] for r in its] == [1, 2] and its[1]["rollout_s"] > 0

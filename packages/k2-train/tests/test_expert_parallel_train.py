@@ -4,9 +4,6 @@ different layout is refused by name."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -46,15 +43,6 @@ def _losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", K2_CACHE=str(tmp_path / "cache"))
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "k2_stack", "pretrain", *args, "--json"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-
-
 def test_ep_config_is_validated():
     cfg = PretrainConfig(ep=0)
     with pytest.raises(ValueError, match="ep=0"):
@@ -74,7 +62,7 @@ def test_ep_needs_torchrun(tmp_path, corpus):
 
 
 @pytest.mark.dist
-def test_ep2_matches_one_process_and_resumes_exactly(tmp_path, corpus):
+def test_ep2_matches_one_process_and_resumes_exactly(tmp_path, corpus, torchrun):
     """EP=2 over 2 processes: losses equal the 1-process run (fp32, 1e-4 relative: the reduction
     order differs); stopped at step 2 and resumed, the losses equal the uninterrupted EP run
     exactly (model, MuonClip state and expert biases all restored)."""
@@ -83,14 +71,14 @@ def test_ep2_matches_one_process_and_resumes_exactly(tmp_path, corpus):
     for name, extra in (("full", {}), ("part", {"stop_at": 2})):
         f = tmp_path / f"{name}.json"
         f.write_text(json.dumps(dict(one.to_dict(), out=str(tmp_path / name), ep=2, **extra)))
-        proc = _torchrun(tmp_path, "--config", str(f))
+        proc = torchrun("pretrain", "--config", str(f))
         assert proc.returncode == 0, proc.stderr[-4000:]
     a, b = _losses(tmp_path / "one"), _losses(tmp_path / "full")
     assert len(b) == 4
     for x, y in zip(a, b):
         assert abs(x - y) <= 1e-4 * abs(x), (a, b)
     assert len(_losses(tmp_path / "part")) == 2
-    proc = _torchrun(tmp_path, "--resume", str(tmp_path / "part"))
+    proc = torchrun("pretrain", "--resume", str(tmp_path / "part"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert _losses(tmp_path / "part") == _losses(tmp_path / "full")  # exact
     state = tmp_path / "part" / "state"

@@ -518,32 +518,23 @@ class _Loop:
     def _generate(self, prompts: list[list[int]], **kw: Any) -> list[list[Sample]]:
         """Generate, restarting a dead worker once (with the current policy) before reporting.
         Under torchrun every rank enters (only rank 0's `prompts` count; the others get []), so
-        that they all join the re-sync when rank 0 had to restart the worker."""
-        if self.info.enabled:
-            out: list[list[Sample]] = []
-            restarted = False
-            if self.info.is_main:
-                try:
-                    out = self.rollout.generate(prompts, **kw)
-                except Exception as e:
-                    if self.worker.alive():
-                        raise
-                    self.log(f"the rollout worker died ({e!r}); restarting it with the current policy")
-                    self.rollout = self.worker.restart()
-                    restarted = True
-            if not dd.broadcast_object(restarted, self.info):
-                return out
-            self._sync("restart")
-            return self.rollout.generate(prompts, **kw) if self.info.is_main else []
-        try:
-            return self.rollout.generate(prompts, **kw)
-        except Exception as e:
-            if self.worker is None or self.worker.alive():
-                raise
-            self.log(f"the rollout worker died ({e!r}); restarting it with the current policy")
-            self.rollout = self.worker.restart()
-            self._sync("restart")
-            return self.rollout.generate(prompts, **kw)
+        that they all join the re-sync when rank 0 had to restart the worker (in one process the
+        broadcast is a no-op)."""
+        out: list[list[Sample]] = []
+        restarted = False
+        if self.info.is_main:
+            try:
+                out = self.rollout.generate(prompts, **kw)
+            except Exception as e:
+                if self.worker is None or self.worker.alive():
+                    raise
+                self.log(f"the rollout worker died ({e!r}); restarting it with the current policy")
+                self.rollout = self.worker.restart()
+                restarted = True
+        if not dd.broadcast_object(restarted, self.info):
+            return out
+        self._sync("restart")
+        return self.rollout.generate(prompts, **kw) if self.info.is_main else []
 
     # -------------------------------------------------------------- rewards and evaluation
     def _rewards(self, prompts: list[dict], samples: list[list[Sample]], seed: int = 0) -> _Rewards:
