@@ -188,6 +188,37 @@ def test_grpo_trainer_loss_runs_and_is_zero_gradient_free_at_equal_rewards():
     assert float(model.emb.weight.grad.abs().max()) == 0.0
 
 
+@pytest.mark.parametrize("loss_name", ["k15", "grpo"])
+def test_on_policy_step_equals_a_separate_old_policy_forward(loss_name):
+    """Without logp_old in the batch (one update per rollout batch) the loss uses its own forward,
+    detached, as pi_old's: the step's loss and gradients equal those with logp_old from a separate
+    forward at the same weights, and the recorded values are that forward's."""
+    from k2_rl.loss import token_logprobs
+
+    batch = _rl_batch()
+    del batch["logp_old"]
+    base = _TinyLM()
+    with torch.no_grad():
+        old_seq, old_tok = sequence_logprobs(base, batch), token_logprobs(base, batch)
+    results = []
+    for given in (True, False):
+        model = copy.deepcopy(base)
+        b = dict(batch)
+        if given:
+            b["logp_old"], b["logp_old_tok"] = old_seq, old_tok
+        loss = KimiK15Loss(tau=0.2) if loss_name == "k15" else GRPOClippedLoss()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        opt.zero_grad = lambda set_to_none=True: None
+        m = Trainer(model, opt, loss, config=TrainerConfig(steps=1, micro_batch=4, grad_clip=0)).train_step(b)
+        results.append((m.loss, model.emb.weight.grad.clone(), loss.recorded_logp_old))
+    (loss_sep, grad_sep, rec_sep), (loss_on, grad_on, rec_on) = results
+    assert rec_sep == []  # given logp_old: nothing recorded
+    torch.testing.assert_close(torch.cat(rec_on), old_seq, rtol=1e-6, atol=1e-6)
+    assert loss_on == pytest.approx(loss_sep, rel=1e-6)
+    torch.testing.assert_close(grad_on, grad_sep, rtol=1e-5, atol=1e-7)
+    assert float(grad_on.abs().max()) > 0  # rewards differ within groups: a real gradient
+
+
 def test_token_logprobs_with_the_head_on_response_positions_only():
     """K2ForCausalLM applies its head only where a response token is scored (logits_mask): the
     log-probs and their gradients equal those of the full [B, S, N] logits."""

@@ -15,8 +15,10 @@ Each iteration:
    response cut at the budget gets `truncation_penalty` subtracted. With the rubric reward in
    use, the critic is also checked on the verifiable prompts' groups (`critic_agreement`) and the
    pairs it got wrong are written to `critic_sft/` as critic SFT data.
-3. `logp_old`: the trainer's own forward (no grad) on the sampled tokens, before the first update
-   (the engine's sampling log-probs are only logged: `logp_mismatch`).
+3. `logp_old`: the trainer's own forward on the sampled tokens, before the first update (the
+   engine's sampling log-probs are only logged: `logp_mismatch`). With one update per iteration
+   (the default) that is the update's own forward, detached (the losses record it); with more, a
+   separate no-grad forward first.
 4. `updates_per_iteration` Trainer steps on the batch with the K1.5 loss (or the GRPO-style one),
    micro-batches holding whole prompts; MuonClip clips as in pretraining.
 5. The policy's state dict is registered with a k2-ckpt `ParameterServer` and pushed to the
@@ -698,12 +700,16 @@ class _Loop:
 
             t0 = time.perf_counter()
             payload = dd.broadcast_object(payload, info)
-            batch = {k: self._my_rows(v) for k, v in payload["batch"].items()}
-            engine_logp = self._my_rows(payload["engine_logp"])
+            batch = {k: self._my_rows(v).to(self.device) for k, v in payload["batch"].items()}
+            engine_logp = self._my_rows(payload["engine_logp"]).to(self.device)
             chunk = self.rows_per_micro
-            batch["logp_old"] = policy_logprobs(self.model, batch, chunk)
-            if cfg.loss == "grpo":
-                batch["logp_old_tok"] = policy_logprobs(self.model, batch, chunk, per_token=True)
+            on_policy = cfg.updates_per_iteration == 1
+            if on_policy:  # the one update's forward is pi_old's: the loss records logp_old
+                self.loss.recorded_logp_old.clear()
+            else:
+                batch["logp_old"] = policy_logprobs(self.model, batch, chunk)
+                if cfg.loss == "grpo":
+                    batch["logp_old_tok"] = policy_logprobs(self.model, batch, chunk, per_token=True)
             step_rows = []
             for u in range(cfg.updates_per_iteration):
                 train_batch = dict(batch)
@@ -716,6 +722,8 @@ class _Loop:
                 row["iteration"] = it + 1
                 self._write(row)
                 step_rows.append(row)
+            if on_policy:
+                batch["logp_old"] = torch.cat(self.loss.recorded_logp_old)
             # summed over every rank's rows: tokens, KL(pi_old || pi_theta) per token estimated on
             # pi_old's own samples (k1, one more forward: every kl_every iterations), and the engine's
             # sampling log-probs against the trainer's

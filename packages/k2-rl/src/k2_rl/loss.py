@@ -163,7 +163,12 @@ class KimiK15Loss:
     `group_ids` [B]. The weight is the number of prompts, so the Trainer's step is the mean over
     prompts; micro-batches must hold whole groups (the loop batches them so). With `ptx_coef`, a
     batch may also carry `ptx_input_ids` / `ptx_shift_labels` rows, a second term normalised by its
-    own token count and added with that coefficient."""
+    own token count and added with that coefficient.
+
+    Without `logp_old` in the batch the step is on-policy (one update per rollout batch): pi_old is
+    the policy being trained, so this forward is pi_old's forward and `logp_old` is its own value,
+    detached (the ratio is exactly 1), which saves the loop a second forward. Those values are
+    appended to `recorded_logp_old` for the loop's KL and mismatch metrics."""
 
     name = "kimi_k15"
 
@@ -172,6 +177,7 @@ class KimiK15Loss:
             raise ValueError(f"KimiK15Loss: tau must be > 0, got {tau}")
         self.tau, self.ptx_coef = tau, ptx_coef
         self.coefficients = {"rl": 1.0, "ptx": ptx_coef}
+        self.recorded_logp_old: list[Tensor] = []
 
     def weight(self, batch: dict[str, Tensor]) -> dict[str, float]:
         w = {"rl": float(torch.unique(batch["group_ids"]).numel())}
@@ -183,9 +189,11 @@ class KimiK15Loss:
 
     def __call__(self, model: nn.Module, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         logp = sequence_logprobs(model, batch)
-        rl = kimi_k15_group_losses(
-            logp, batch["logp_old"], batch["rewards"], batch["group_ids"], self.tau
-        ).sum()
+        logp_old = batch.get("logp_old")
+        if logp_old is None:  # on-policy: this forward is pi_old's
+            logp_old = logp.detach()
+            self.recorded_logp_old.append(logp_old)
+        rl = kimi_k15_group_losses(logp, logp_old, batch["rewards"], batch["group_ids"], self.tau).sum()
         out = {"rl": rl, "ptx": rl.new_zeros(())}
         if self.ptx_coef and "ptx_input_ids" in batch:
             logits = model(input_ids=batch["ptx_input_ids"]).logits.float()
@@ -199,13 +207,16 @@ class KimiK15Loss:
 
 
 class GRPOClippedLoss:
-    """The GRPO-style clipped objective as a k2-train loss (token-level mean). Needs `logp_old_tok`
-    [B, S] (the old policy's per-token log-probs of the sampled tokens) besides the K1.5 batch."""
+    """The GRPO-style clipped objective as a k2-train loss (token-level mean). Takes `logp_old_tok`
+    [B, S] (the old policy's per-token log-probs of the sampled tokens) besides the K1.5 batch;
+    without it the step is on-policy, as in `KimiK15Loss` (ratio 1, the forward's own values,
+    recorded per sequence in `recorded_logp_old`)."""
 
     name = "grpo_clipped"
 
     def __init__(self, clip_eps: float = 0.2, scale_by_std: bool = True) -> None:
         self.clip_eps, self.scale_by_std = clip_eps, scale_by_std
+        self.recorded_logp_old: list[Tensor] = []
 
     def weight(self, batch: dict[str, Tensor]) -> float:
         return float((batch["shift_labels"] != IGNORE_INDEX).sum())
@@ -213,9 +224,13 @@ class GRPOClippedLoss:
     def __call__(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
         logp_tok = token_logprobs(model, batch)
         mask = batch["shift_labels"] != IGNORE_INDEX
+        logp_old_tok = batch.get("logp_old_tok")
+        if logp_old_tok is None:  # on-policy: this forward is pi_old's
+            logp_old_tok = logp_tok.detach()
+            self.recorded_logp_old.append(logp_old_tok.sum(dim=1))
         total, _ = grpo_clipped_loss(
             logp_tok,
-            batch["logp_old_tok"],
+            logp_old_tok,
             mask,
             batch["rewards"],
             batch["group_ids"],
