@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from k2_data import sandbox
-from k2_rl.rewards import code as code_mod
+from k2_data import unit_tests as grader  # the protocol code_reward runs
 from k2_rl.rewards.code import code_reward
 
 pytestmark = [
@@ -39,7 +39,7 @@ def spy(monkeypatch):
         results.append(res)
         return res
 
-    monkeypatch.setattr(code_mod, "run_python", run_python)
+    monkeypatch.setattr(grader, "run_python", run_python)
     return results
 
 
@@ -128,7 +128,7 @@ def test_cannot_write_outside_workdir():
 def test_cannot_read_tests_or_nonce(monkeypatch, spy):
     """The program hunts for the tests and the nonce in files, fds, /proc and its own memory."""
     nonce = "feedfacecafebeef0123456789abcdef"
-    monkeypatch.setattr(code_mod.secrets, "token_hex", lambda n: nonce)
+    monkeypatch.setattr(grader.secrets, "token_hex", lambda n: nonce)
     marker = "K2_HIDDEN_TEST_MARKER_91"
     attack = textwrap.dedent(
         f"""

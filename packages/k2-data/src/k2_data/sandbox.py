@@ -432,7 +432,7 @@ def run_python(
 
     `stdin` is fed through a pipe; `files` (relative name -> text) are written next to
     `main.py`. `inputs` are extra byte blobs the program reads from inherited fds whose numbers
-    are `sys.argv[1:]` (how `k2_rl.rewards.code` passes tests and nonce without a path).
+    are `sys.argv[1:]` (how `k2_data.unit_tests` passes tests and nonce without a path).
     `cpu_s` defaults to `timeout_s`; `uid` defaults to a fresh uid from the pool.
     Raises `SandboxError` only when the sandbox itself cannot be set up.
     """

@@ -2,7 +2,9 @@
 
 An agent: `{"id", "name", "system_prompt", "tools": [OpenAI specs], "origin": "llm" | "template"}`.
 A task: `{"id", "agent_id", "user_request", "goal", "rubric": {"success_criteria": [...],
-"expected_tools": [...], "checkpoints": [...]}, "origin"}`. A model answer that is not usable JSON (after
+"expected_tools": [...], "checkpoints": [...]}, "origin"}`; for an agent holding `run_python` the LLM is
+also asked for unit tests, and a code task's rubric carries them as `tests` (plain asserts; invalid
+Python is dropped and counted), which the judge runs against the delivered program. A model answer that is not usable JSON (after
 the re-asks of `ask_json`) falls back to a template built from the tool specs, marked `origin: "template"`
 and counted, so the pipeline's mechanics run even against an untrained model.
 """
@@ -28,6 +30,14 @@ TASK_SYSTEM = (
     'statements>], "expected_tools": [<tool names the agent should call>], "checkpoints": [<intermediate '
     "steps in order>]}}]}. Use only the given tool names. Tasks should need 1-4 tool calls; some should "
     "need several turns (the user gives details only when asked)."
+)
+
+
+CODE_TASKS = (
+    "\n\nThe agent can run Python ({tool}). For a task that needs a program, ask in the user_request for a "
+    'function with an exact name and signature, and add "tests" to its rubric: plain Python asserts that '
+    "call that function (e.g. \"assert slugify('Hello World') == 'hello-world'\"); the program the agent "
+    "delivers must pass them."
 )
 
 
@@ -87,14 +97,30 @@ async def make_agent(
     }
 
 
-def _clean_task(raw: Any, names: set[str]) -> dict[str, Any] | None:
+def _tests(value: Any) -> str | None:
+    """A rubric's unit tests as one program (a string or a list of asserts), or None when absent or not
+    valid Python."""
+    if isinstance(value, list):
+        value = "\n".join(v for v in value if isinstance(v, str))
+    if not isinstance(value, str) or not value.strip():
+        return None
+    try:
+        compile(value, "<tests>", "exec")
+    except (SyntaxError, ValueError):
+        return None
+    return value.strip() + "\n"
+
+
+def _clean_task(raw: Any, names: set[str], counters: Counter | None = None) -> dict[str, Any] | None:
+    from k2_data.agentic.code_tool import CODE_TOOL_NAME
+
     if not isinstance(raw, dict) or not isinstance(raw.get("user_request"), str):
         return None
     rubric = raw.get("rubric") if isinstance(raw.get("rubric"), dict) else {}
     criteria = _str_list(rubric.get("success_criteria"))
     if not raw["user_request"].strip() or not criteria:
         return None
-    return {
+    task = {
         "user_request": raw["user_request"].strip(),
         "goal": str(raw.get("goal") or raw["user_request"]).strip(),
         "rubric": {
@@ -103,6 +129,14 @@ def _clean_task(raw: Any, names: set[str]) -> dict[str, Any] | None:
             "checkpoints": _str_list(rubric.get("checkpoints")),
         },
     }
+    if CODE_TOOL_NAME in names and rubric.get("tests") is not None:
+        tests = _tests(rubric["tests"])
+        if tests is None:  # unusable tests: keep the task, judged like any other
+            if counters is not None:
+                counters["task_tests_invalid"] += 1
+        else:
+            task["rubric"]["tests"] = tests
+    return task
 
 
 def template_task(specs: list[dict[str, Any]], rng: random.Random) -> dict[str, Any]:
@@ -131,16 +165,21 @@ async def make_tasks(
     max_tokens: int = 2048,
 ) -> list[dict[str, Any]]:
     """`n` tasks for the agent (ids `AGENT-tNN`); missing ones are filled from templates."""
+    from k2_data.agentic.code_tool import CODE_TOOL_NAME
+
     names = {s["function"]["name"] for s in agent["tools"]}
     user = (
         f"Agent: {agent['name']}\nSystem prompt: {agent['system_prompt']}\nTools:\n{_tool_lines(agent['tools'])}"
         f"\n\nWrite {n} tasks."
     )
+    system = TASK_SYSTEM + (CODE_TASKS.format(tool=CODE_TOOL_NAME) if CODE_TOOL_NAME in names else "")
     answer = await ask_json(
-        client, model, "tasks", TASK_SYSTEM, user, seed=seed, counters=counters, max_tokens=max_tokens
+        client, model, "tasks", system, user, seed=seed, counters=counters, max_tokens=max_tokens
     )
     raws = (answer or {}).get("tasks")
-    cleaned = [t for t in (_clean_task(r, names) for r in (raws if isinstance(raws, list) else [])) if t]
+    cleaned = [
+        t for t in (_clean_task(r, names, counters) for r in (raws if isinstance(raws, list) else [])) if t
+    ]
     counters["tasks_rejected"] += (len(raws) if isinstance(raws, list) else 0) - len(cleaned)
     rng = random.Random(seed)
     out = []

@@ -4,7 +4,10 @@ Deterministic checks first (a failed one rejects without asking the LLM):
 - `trainable`: `k2_data.chat.validate_conversation` accepts it (every call answered, arguments a JSON
   object, only declared tools called), so `k2 data sft` will not skip it;
 - `final_answer`: it ends with an assistant message with text;
-- `expected_tools`: every tool the rubric expects was called at least once without an error.
+- `expected_tools`: every tool the rubric expects was called at least once without an error;
+- `unit_tests` (code tasks whose rubric carries `tests`, plain asserts): the program the conversation
+  delivers (the final answer's last fenced code block, else the last `run_python` program that ran
+  without error) passes them in the sandbox (`k2_data.unit_tests`, the grader of k2-rl's code reward).
 Then the LLM judge rates each success criterion (`{"criteria": [{"criterion", "met": bool}], "verdict":
 "accept"|"reject", "reason"}`); kept when the verdict is accept and the share of criteria met is at least
 `min_score`. A judge answer without usable JSON rejects.
@@ -12,6 +15,7 @@ Then the LLM judge rates each success criterion (`{"criteria": [{"criterion", "m
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
 from typing import Any
@@ -50,6 +54,59 @@ def checks(traj: dict[str, Any], rubric: dict[str, Any]) -> dict[str, bool]:
     return out
 
 
+def delivered_program(messages: list[dict[str, Any]]) -> str | None:
+    """The program a conversation delivers: the final answer's last fenced code block, else the last
+    `run_python` program whose result was not an error (None when there is neither)."""
+    from k2_data.agentic.code_tool import CODE_TOOL_NAME
+    from k2_data.unit_tests import last_code_block
+
+    last = messages[-1] if messages else {}
+    if last.get("role") == "assistant":
+        block = last_code_block(last.get("content") or "")
+        if block is not None:
+            return block
+    results = {m.get("tool_call_id"): m for m in messages if m.get("role") == "tool"}
+    program = None
+    for m in messages:
+        for c in m.get("tool_calls") or []:
+            res = results.get(c.get("id"))
+            if (
+                c["function"]["name"] != CODE_TOOL_NAME
+                or res is None
+                or str(res.get("content", "")).startswith("Error:")
+            ):
+                continue
+            try:
+                program = json.loads(c["function"]["arguments"]).get("code")
+            except (ValueError, AttributeError):
+                continue
+    return program if isinstance(program, str) else None
+
+
+async def unit_test_check(
+    traj: dict[str, Any], tests: str, counters: Counter, timeout_s: float = 10.0, memory_mb: int = 256
+) -> bool:
+    """Whether the delivered program passes `tests` in the sandbox (False without a program, or when the
+    sandbox cannot run here: a code task is never kept unchecked)."""
+    from k2_data.sandbox import SandboxError
+    from k2_data.unit_tests import run_unit_tests
+
+    program = delivered_program(traj["messages"])
+    if program is None:
+        counters["unit_tests_no_program"] += 1
+        return False
+    counters["unit_test_runs"] += 1
+    try:  # the sandbox blocks on its child: keep the event loop (other trajectories) running
+        run = await asyncio.to_thread(
+            run_unit_tests, program, tests, timeout_s=timeout_s, memory_mb=memory_mb
+        )
+    except SandboxError:
+        counters["unit_tests_sandbox_unavailable"] += 1
+        return False
+    counters["unit_tests_passed" if run.passed else "unit_tests_failed"] += 1
+    return run.passed
+
+
 def _full_transcript(messages: list[dict[str, Any]]) -> str:
     lines = []
     for m in messages:
@@ -76,6 +133,8 @@ async def judge(
 ) -> dict[str, Any]:
     rubric = task["rubric"]
     result = checks(traj, rubric)
+    if rubric.get("tests"):
+        result["unit_tests"] = await unit_test_check(traj, rubric["tests"], counters)
     verdict: dict[str, Any] = {"checks": result, "accepted": False, "score": 0.0, "reason": ""}
     failed = [k for k, v in result.items() if not v]
     if failed:

@@ -1,109 +1,21 @@
 """Code reward: run a program and its assert-based tests in the sandbox; 1.0 only on a clean pass.
 
-Design (why a nonce, and why it lives in a separate process):
-
-A program that exits early with status 0 (`sys.exit(0)`, `os._exit(0)`), or prints whatever a
-success marker looks like, must not score. So success is an unpredictable per-run nonce
-(128 random bits from `secrets`) appearing as the last line of stdout, and it must be impossible
-for the program to learn it before the tests have passed:
-
-* The grader never puts the program, the tests or the nonce in a file the sandbox can name: they
-  travel on two unlinked temporary files passed as inherited fds (`run_python(inputs=...)`), so
-  nothing is in the script source (`__file__`, `inspect`), in argv (`/proc/*/cmdline`), or in the
-  work dir. The only file in the work dir is the (public) driver below.
-* The driver, before any untrusted code runs, forks a *notary*. The notary makes itself
-  non-dumpable (`PR_SET_DUMPABLE=0`: a same-uid process can neither ptrace it nor read its
-  `/proc/<pid>/mem` or fds), only then reads the nonce from its fd and closes it, and waits on a
-  pipe. The driver closes its own copy of the nonce fd without reading it, reads program and
-  tests from the other fd and closes that: when untrusted code starts, the nonce is in no memory
-  and no fd the program can reach.
-* The driver `exec`s the program, then the tests, in one `__main__` namespace. Any exception,
-  including `SystemExit` (so `sys.exit(0)` mid-program is a failure) and `KeyboardInterrupt`,
-  prints the traceback and ends the process with status 1. Only when the tests' code returns
-  normally does the driver flush stdout, tell the notary "pass" and wait for it; the notary then
-  writes the nonce on its own stdout fd. If the process ends any other way (`os._exit`, a
-  signal, a limit) the notary sees EOF and prints nothing.
-* The grader scores 1.0 iff the run exited 0 within all limits and the last stdout line equals
-  the nonce.
-
-Known limit: the program runs in the same process as the driver, so a program written
-*deliberately against this driver* can find the notary's pipe among its fds and send "pass"
-itself, as it can patch `__eq__` to make asserts pass. The design defeats the reward hacks a
-policy stumbles on (early exit, printing markers, reading its source, the tests' or the nonce's
-files); it is not a proof against an adversary that knows the grader's protocol.
+The grading protocol (a per-run nonce printed by a non-dumpable notary only after the tests' code
+returned, so early exits and printed markers never score) lives in k2-data
+(`k2_data.unit_tests`), which the agentic judge's unit-test check shares; its module docstring
+says why it is built that way and where it stops.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import re
-import secrets
 
-from k2_data.sandbox import SandboxError, run_python
+from k2_data.sandbox import SandboxError
+from k2_data.unit_tests import last_code_block, run_unit_tests
 
 from k2_rl.rewards.base import BaseReward, register_reward
 
 log = logging.getLogger(__name__)
-
-# runs inside the sandbox as main.py; argv: payload fd (program + tests as JSON), nonce fd
-_DRIVER = r"""
-import os, sys
-
-
-def _k2_driver():
-    payload_fd, nonce_fd = int(sys.argv[1]), int(sys.argv[2])
-    rp, wp = os.pipe()
-    notary = os.fork()
-    if notary == 0:
-        try:
-            os.close(wp)
-            os.close(payload_fd)
-            import ctypes
-
-            if ctypes.CDLL(None).prctl(4, ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0),
-                                       ctypes.c_ulong(0)) != 0:  # PR_SET_DUMPABLE, 0
-                os._exit(3)
-            nonce = os.read(nonce_fd, 256)
-            os.close(nonce_fd)
-            if os.read(rp, 16) == b"pass":
-                os.write(1, b"\n" + nonce + b"\n")
-        finally:
-            os._exit(0)
-    os.close(rp)
-    os.close(nonce_fd)
-    with os.fdopen(payload_fd, "rb") as f:
-        payload = f.read()
-    import json
-
-    sources = json.loads(payload)
-    del payload
-    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
-    try:
-        program = compile(sources.pop("program"), "<program>", "exec")
-        tests = compile(sources.pop("tests"), "<tests>", "exec")
-        del sources
-        exec(program, namespace)
-        exec(tests, namespace)
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BaseException:
-        try:
-            import traceback
-
-            traceback.print_exc()
-            sys.stderr.flush()
-            sys.stdout.flush()  # keep what the program printed, for debugging
-        finally:
-            os._exit(1)
-    os.write(wp, b"pass")
-    os.close(wp)
-    os.waitpid(notary, 0)
-    os._exit(0)
-
-
-_k2_driver()
-"""
 
 
 def code_reward(program: str, tests: str, *, timeout_s: float = 10.0, memory_mb: int = 512) -> float:
@@ -111,34 +23,23 @@ def code_reward(program: str, tests: str, *, timeout_s: float = 10.0, memory_mb:
     else 0.0 (failed assert, error, timeout, resource limit, early exit, sandbox violation)."""
     if not isinstance(program, str) or not isinstance(tests, str):
         raise TypeError("code_reward: program and tests must be str")
-    nonce = secrets.token_hex(16)
-    payload = json.dumps({"program": program, "tests": tests}).encode()
     try:
-        res = run_python(
-            _DRIVER,
-            timeout_s=timeout_s,
-            memory_mb=memory_mb,
-            inputs=[payload, nonce.encode()],
-        )
+        run = run_unit_tests(program, tests, timeout_s=timeout_s, memory_mb=memory_mb)
     except SandboxError as e:
         log.error("code_reward: sandbox failed, scoring 0.0: %s", e)
         return 0.0
-    lines = res.stdout.rstrip("\n").rsplit("\n", 1)
-    passed = res.ok and not res.stdout_truncated and lines[-1] == nonce
-    if not passed:
+    if not run.passed:
+        res = run.result
         log.debug(
             "code_reward 0.0: rc=%s killed=%s stderr=%s", res.returncode, res.killed_reason, res.stderr[-500:]
         )
-    return 1.0 if passed else 0.0
-
-
-_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
+    return 1.0 if run.passed else 0.0
 
 
 def extract_program(response: str) -> str:
     """The program in a response: its last fenced code block (```python ... ```), else all of it."""
-    blocks = _FENCE.findall(response)
-    return blocks[-1] if blocks else response
+    block = last_code_block(response)
+    return block if block is not None else response
 
 
 @register_reward("code")
