@@ -45,7 +45,10 @@ def test_domain_evolution_validates_and_deduplicates(tmp_path):
     async def go(base_url):
         async with AsyncHTTPChatClient(base_url, cache=tmp_path / "cache.sqlite") as client:
             return await evolve_tools(
-                client, "teacher", EvolveConfig(n_tools=100, tools_per_domain=2), existing=TOOLS
+                client,
+                "teacher",
+                EvolveConfig(n_tools=100, tools_per_domain=2, refill_rounds=0),
+                existing=TOOLS,
             )
 
     with LoopbackServer(ScriptedTeacher()) as server:
@@ -84,6 +87,73 @@ def test_domain_evolution_validates_and_deduplicates(tmp_path):
     assert (
         rep2.near_duplicates > 1 and len(few) == 5 and rep2.over_budget == 16 - rep2.near_duplicates + 1 - 5
     )
+
+
+# distinct tools a refill request gets, one per request, in order
+REFILL = [
+    ("convert_currency", "Convert an amount of money between two currencies at today's exchange rate."),
+    ("translate_text", "Translate a passage of text into another human language."),
+    ("book_concert", "Buy tickets for a live concert on a given night."),
+    ("track_package", "Track a parcel in transit by its carrier tracking number."),
+    ("find_recipe", "Find cooking recipes that use the given ingredients."),
+    ("order_taxi", "Order a taxi from a pickup address to a destination address."),
+    ("check_air_quality", "Air pollution index measured near a location."),
+    ("rate_movie", "Give a star rating to a film in the user's library."),
+]
+
+
+class RefillingTeacher(ScriptedTeacher):
+    """The scripted teacher, except that a tool request made after the first round (it lists the tools
+    kept so far, search_flights among them) gets one new, distinct tool."""
+
+    def __init__(self):
+        super().__init__()
+        self.refills = 0
+
+    def stage_tools(self, user):
+        existing = next(line for line in user.splitlines() if line.startswith("Existing tools: "))
+        if "search_flights" not in existing:
+            return super().stage_tools(user)
+        name, desc = REFILL[self.refills % len(REFILL)]
+        self.refills += 1
+        return json.dumps({"tools": [{"name": name, "description": desc, "parameters": {"type": "object"}}]})
+
+
+@pytest.mark.parametrize("teacher", ["refilling", "exhausted"])
+def test_refill_rounds_ask_again_until_enough_tools_survive(tmp_path, teacher):
+    """16 tools survive the first round; n_tools=20 asks every domain again for its share of the
+    shortfall, told what was kept. A teacher with nothing new (the plain scripted one repeats its bank)
+    ends the refill after one round that keeps nothing."""
+    responder = RefillingTeacher() if teacher == "refilling" else ScriptedTeacher()
+
+    async def go(base_url):
+        async with AsyncHTTPChatClient(base_url, cache=tmp_path / "cache.sqlite") as client:
+            return await evolve_tools(
+                client, "t", EvolveConfig(n_tools=20, tools_per_domain=2), existing=TOOLS
+            )
+
+    with LoopbackServer(responder) as server:
+        entries, report = asyncio.run(go(server.base_url))
+        tool_requests = [
+            r for r in server.requests if "[k2-agentic/synthetic-tools]" in r["messages"][0]["content"]
+        ]
+    assert len(tool_requests) == 16 and report.rounds == 2  # 8 domains, twice
+    refills = tool_requests[8:]
+    # a refill request asks for ceil(1.25 * 4 / 8) = 1 tool and lists the 16 kept so far
+    assert all("Write 1 tools." in r["messages"][1]["content"] for r in refills)
+    assert all("search_flights" in r["messages"][1]["content"] for r in refills)
+    if teacher == "refilling":
+        assert (
+            report.kept_per_round == [16, 8] and len(entries) == report.kept == 20 and report.over_budget == 4
+        )
+        names = [e["spec"]["function"]["name"] for e in entries]
+        # round 0's tools first, then 4 of the refill tools (the first domains'; concurrent requests get
+        # REFILL's tools in arrival order)
+        assert names[0] == "search_flights" and len(set(names[16:]) & {n for n, _ in REFILL}) == 4
+    else:
+        assert report.kept_per_round == [16, 0] and len(entries) == 16
+        # the bank again (1 tool per domain, plus the 3 faulty ones): every valid name clashes
+        assert report.name_duplicates == 1 + 8 + 2 and report.invalid_schema == 2
 
 
 def test_cli_evolves_tools_into_the_repository_and_draws_coverage(tmp_path, capsys):

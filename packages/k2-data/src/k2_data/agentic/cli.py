@@ -51,6 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--evolve-categories", type=int, default=4, help="categories of the evolution tree")
     p.add_argument("--evolve-domains", type=int, default=2, help="application domains per category")
     p.add_argument(
+        "--evolve-refill-rounds",
+        type=int,
+        default=2,
+        help="while fewer than --evolve-tools survive the schema and duplicate filters, ask every domain "
+        "again for its share of the shortfall, up to this many extra rounds (0: one round only)",
+    )
+    p.add_argument(
         "--dedup-threshold",
         type=float,
         default=0.85,
@@ -138,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         evolve_tools=args.evolve_tools,
         evolve_categories=args.evolve_categories,
         evolve_domains=args.evolve_domains,
+        evolve_refill_rounds=args.evolve_refill_rounds,
         dedup_threshold=args.dedup_threshold,
         coverage=not args.no_coverage,
         mcp_timeout_s=args.mcp_timeout_s,
@@ -185,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
             f"evolved {ev['kept']} synthetic tools over {len(ev['categories'])} categories / "
             f"{len(ev['domains'])} domains ({ev['proposed']} proposed, {ev['invalid_schema']} invalid schemas, "
             f"{ev['invalid_spec']} invalid specs, {ev['name_duplicates']} name clashes, "
-            f"{ev['near_duplicates']} near-duplicates removed)"
+            f"{ev['near_duplicates']} near-duplicates removed; {ev.get('rounds', 1)} rounds of tool requests)"
         )
     if summary.get("coverage") and "path" in summary["coverage"]:
         print(f"coverage picture: {summary['coverage']['path']}")

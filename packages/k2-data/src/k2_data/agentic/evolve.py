@@ -18,6 +18,10 @@ node is skipped and counted). Then:
   (`k2_data.rephrase.embed`), and a new tool whose cosine similarity to a tool already kept (the existing
   repository's first, then earlier synthetic ones, in generation order) is >= `dedup_threshold` is dropped
   and counted with the pair (`near_duplicates`); exact name clashes count as `name_duplicates`;
+- refill: while fewer than `n_tools` survive and `refill_rounds` remain, every domain is asked again for
+  its share of the shortfall (plus a quarter), told the tools kept so far, with a new seed; the answers
+  go through the same checks against everything kept. A round that keeps nothing new ends the refill
+  (the teacher has run out of distinct tools for this tree);
 - the first `n_tools` survivors are returned as repository entries with source `synthetic`, category the
   category and domain `CATEGORY/DOMAIN`.
 """
@@ -59,6 +63,7 @@ class EvolveConfig:
     domains_per_category: int = 2
     tools_per_domain: int | None = None  # default: enough for n_tools, plus a quarter for the filters
     dedup_threshold: float = 0.85  # cosine similarity at or above which a tool is a near-duplicate
+    refill_rounds: int = 2  # extra rounds of tool requests while fewer than n_tools survive the filters
     seed: int = 0
     max_tokens: int = 2048
     concurrency: int = 8  # domains (and their tool requests) in flight
@@ -71,6 +76,8 @@ class EvolveConfig:
     def validate(self) -> None:
         if self.n_tools < 1 or self.categories < 1 or self.domains_per_category < 1 or self.per_domain() < 1:
             raise ValueError("n_tools, categories, domains_per_category and tools_per_domain must be >= 1")
+        if self.refill_rounds < 0:
+            raise ValueError(f"refill_rounds must be >= 0, got {self.refill_rounds}")
         if not 0 < self.dedup_threshold <= 1:
             raise ValueError(f"dedup_threshold must be in (0, 1], got {self.dedup_threshold}")
 
@@ -87,6 +94,8 @@ class EvolveReport:
     near_duplicate_pairs: list[tuple[str, str, float]] = field(default_factory=list)  # (dropped, kept, cos)
     over_budget: int = 0  # valid, distinct, but beyond n_tools
     kept: int = 0
+    rounds: int = 0  # rounds of tool requests (1 + the refill rounds that ran)
+    kept_per_round: list[int] = field(default_factory=list)  # survivors each round added
     unparsable: int = 0  # category/domain/tool answers without usable JSON (after the re-ask)
     dedup_seconds: float = 0.0
 
@@ -225,53 +234,78 @@ async def evolve_tools(
 
     existing_specs = [e.spec if hasattr(e, "spec") else e for e in existing]
     existing_names = [s["function"]["name"] if "function" in s else s["name"] for s in existing_specs]
+    kept: list[dict[str, Any]] = []  # survivors of every round so far, in generation order
+    seen = set(existing_names)
 
-    async def tools_of(di: int, cat: str, dom: str, desc: str) -> list[Any]:
+    async def tools_of(di: int, cat: str, dom: str, desc: str, k: int, round_: int) -> list[Any]:
+        names = existing_names + [c["spec"]["function"]["name"] for c in kept]
         user = (
             f"Category: {cat}\nDomain: {dom}\nAbout: {desc}\n"
-            f"Existing tools: {', '.join(existing_names) or 'none'}\nWrite {cfg.per_domain()} tools."
+            f"Existing tools: {', '.join(names) or 'none'}\nWrite {k} tools."
         )
-        answer = await ask("tools", TOOL_SYSTEM, user, cfg.seed * 7919 + 10_000 + di)
+        seed = cfg.seed * 7919 + 10_000 + di + 100_000 * round_  # round 0 keeps the seeds it always had
+        answer = await ask("tools", TOOL_SYSTEM, user, seed)
         raws = (answer or {}).get("tools")
         return raws if isinstance(raws, list) else []
 
-    raw_lists = await asyncio.gather(*(tools_of(i, c, d, x) for i, (c, d, x) in enumerate(tree)))
-    candidates: list[dict[str, Any]] = []
-    seen = set(existing_names)
-    for (cat, dom, _), raws in zip(tree, raw_lists):
-        for raw in raws:
-            report.proposed += 1
-            spec, why = check_tool(raw)
-            if spec is None:
-                setattr(report, why, getattr(report, why) + 1)
-                continue
-            name = spec["function"]["name"]
-            if name in seen:
-                report.name_duplicates += 1
-                continue
-            seen.add(name)
-            candidates.append(
-                {"spec": spec, "source": "synthetic", "category": cat, "domain": f"{cat}/{dom}"}
-            )
+    def candidates_of(raw_lists: list[list[Any]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for (cat, dom, _), raws in zip(tree, raw_lists):
+            for raw in raws:
+                report.proposed += 1
+                spec, why = check_tool(raw)
+                if spec is None:
+                    setattr(report, why, getattr(report, why) + 1)
+                    continue
+                name = spec["function"]["name"]
+                if name in seen:
+                    report.name_duplicates += 1
+                    continue
+                seen.add(name)
+                out.append({"spec": spec, "source": "synthetic", "category": cat, "domain": f"{cat}/{dom}"})
+        return out
 
-    if candidates:
+    def drop_near_duplicates(candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        nonlocal embedder
+        if not candidates:
+            return []
         if embedder is None:
             from k2_data.rephrase.embed import load_embedder
 
             embedder = load_embedder()
         t0 = time.perf_counter()
-        old = [tool_text(s) for s in existing_specs]
+        before = existing_specs + [c["spec"] for c in kept]  # compared against everything kept so far
         keep, drops = near_duplicates(
-            old, [tool_text(c["spec"]) for c in candidates], cfg.dedup_threshold, embedder
+            [tool_text(s) for s in before],
+            [tool_text(c["spec"]) for c in candidates],
+            cfg.dedup_threshold,
+            embedder,
         )
-        report.dedup_seconds = round(time.perf_counter() - t0, 3)
+        report.dedup_seconds = round(report.dedup_seconds + time.perf_counter() - t0, 3)
+        names_before = [s["function"]["name"] if "function" in s else s["name"] for s in before]
         for i, j, cos in drops:
-            other = existing_names[-(1 + j)] if j < 0 else candidates[j]["spec"]["function"]["name"]
+            other = names_before[-(1 + j)] if j < 0 else candidates[j]["spec"]["function"]["name"]
             report.near_duplicate_pairs.append(
                 (candidates[i]["spec"]["function"]["name"], other, round(cos, 4))
             )
-        report.near_duplicates = len(drops)
-        candidates = [c for c, k in zip(candidates, keep) if k]
+        report.near_duplicates += len(drops)
+        return [c for c, k in zip(candidates, keep) if k]
+
+    for round_ in range(1 + cfg.refill_rounds):
+        missing = cfg.n_tools - len(kept)
+        if not tree or missing <= 0:
+            break
+        k = cfg.per_domain() if round_ == 0 else max(1, math.ceil(1.25 * missing / len(tree)))
+        raw_lists = await asyncio.gather(
+            *(tools_of(i, c, d, x, k, round_) for i, (c, d, x) in enumerate(tree))
+        )
+        new = drop_near_duplicates(candidates_of(raw_lists))
+        report.rounds += 1
+        report.kept_per_round.append(len(new))
+        kept.extend(new)
+        if round_ > 0 and not new:  # the teacher has nothing new for this tree
+            break
+    candidates = kept
     report.over_budget = max(0, len(candidates) - cfg.n_tools)
     out = candidates[: cfg.n_tools]
     report.kept = len(out)

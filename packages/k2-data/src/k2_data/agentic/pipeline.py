@@ -60,6 +60,7 @@ class AgenticConfig:
     evolve_tools: int = 0  # synthetic tools to grow by domain evolution (0: none)
     evolve_categories: int = 4
     evolve_domains: int = 2  # application domains per category
+    evolve_refill_rounds: int = 2  # extra tool requests per domain while fewer than evolve_tools survive
     dedup_threshold: float = 0.85  # embedding cosine at which a synthetic tool is a near-duplicate
     coverage: bool = True  # write OUT/tool_coverage.png (needs scikit-learn, matplotlib, the embedder)
     execute_mcp: bool = True  # call MCP tools on their live servers (False: simulate them like the rest)
@@ -81,6 +82,8 @@ class AgenticConfig:
             raise ValueError("max_turns and max_steps must be >= 1")
         if self.evolve_tools < 0 or self.evolve_categories < 1 or self.evolve_domains < 1:
             raise ValueError("evolve_tools must be >= 0, evolve_categories and evolve_domains >= 1")
+        if self.evolve_refill_rounds < 0:
+            raise ValueError(f"evolve_refill_rounds must be >= 0, got {self.evolve_refill_rounds}")
         if not 0 < self.dedup_threshold <= 1:
             raise ValueError(f"dedup_threshold must be in (0, 1], got {self.dedup_threshold}")
         if self.heldout < 0:
@@ -124,6 +127,7 @@ async def build_repository(
                 categories=cfg.evolve_categories,
                 domains_per_category=cfg.evolve_domains,
                 dedup_threshold=cfg.dedup_threshold,
+                refill_rounds=cfg.evolve_refill_rounds,
                 seed=cfg.seed,
                 max_tokens=2 * cfg.gen_max_tokens,
                 concurrency=cfg.concurrency,
