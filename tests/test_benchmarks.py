@@ -95,3 +95,21 @@ def test_rl_proof_driver_runs_every_stage(tmp_path):
     assert (tmp_path / "rl_proof.png").stat().st_size > 1000
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["seeds"]["0"]["rl_steps"] == 1 and "baseline_accuracy" in results["seeds"]["0"]
+
+
+@pytest.mark.slow
+def test_agentic_student_benchmark_scores_before_and_after(tmp_path):
+    # a handful of teacher trajectories, 2 SFT steps, 4 held-out tasks scored on both exported students
+    out = run_bench(
+        "agentic_student.py", "--out", str(tmp_path), "--agents", "4", "--tasks-per-agent", "2",
+        "--heldout", "4", "--steps", "2", "--eval-max-tokens", "16",
+        "--sft-args", "--batch 2 --eval-every 0 --save-every 0",
+    )  # fmt: skip
+    assert "machine: " in out and "| model | BFCL accuracy |" in out
+    rows = [line for line in out.splitlines() if line.startswith(("| random init", "| after `k2 sft`"))]
+    assert len(rows) == 2, out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (
+        len(results["rows"]) == 3 and results["rows"]["teacher (scripted, ceiling)"]["bfcl_accuracy"] == 1.0
+    )
+    assert all(r["tasks"] == 4 for r in results["rows"].values()) and results["sft"]["steps"] == 2

@@ -11,7 +11,8 @@ on a fresh store, so the truth is the world model's own, not an LLM's guess).
   exactly after stripping, lists in order, objects key by key.
 - `state_match(state, expected)`: tau-bench's check: the final state equals the expected one exactly (every
   collection, every record); the differences are listed.
-- `score_trajectory(traj, task)` -> `{"calls_matched", "calls_expected", "bfcl", "state", "diff"}`;
+- `score_trajectory(traj, task)` -> `{"calls_matched", "names_matched", "calls_expected", "bfcl", "state",
+  "diff"}` (`names_matched`: expected calls whose tool name was called, arguments aside);
   `bfcl` is True when every expected call is matched by a distinct actual call that ran (order-free,
   extra calls allowed: reads before writes are fine), `state` when the final state matches.
 - `make_heldout_tasks(specs, n, seed)`: tasks from the CRUD tools of a tool set (a create, optionally
@@ -122,8 +123,11 @@ def score_trajectory(traj: dict[str, Any], task: dict[str, Any]) -> dict[str, An
         if j is not None:
             used.add(j)
             matched += 1
+    # the right tool names whatever the arguments: what a student learns before copying values
+    named = Counter(e["name"] for e in expected) & Counter(c.get("name") for c in calls)
     out: dict[str, Any] = {
         "calls_matched": matched,
+        "names_matched": sum(named.values()),
         "calls_expected": len(expected),
         "bfcl": matched == len(expected),
     }
@@ -156,6 +160,29 @@ def _args(fn: dict[str, Any], rng: random.Random, fixed: dict[str, Any] | None =
         if k in props:
             out[k] = v
     return out
+
+
+def call_request(calls: list[dict[str, Any]]) -> str:
+    """The user request naming `calls` in order: "Please call NAME with {json}. Then call ..."."""
+    request = " Then ".join(f"call {c['name']} with {json.dumps(c['arguments'])}." for c in calls)
+    return f"Please {request[0].lower()}{request[1:]}"
+
+
+def calls_task(calls: list[dict[str, Any]], expected_state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A task whose request names `calls`, its rubric holding them (and the state they leave, if known)."""
+    rubric: dict[str, Any] = {
+        "success_criteria": [f"{c['name']} is called with the given arguments" for c in calls],
+        "expected_tools": [c["name"] for c in calls],
+        "checkpoints": [],
+        "expected_calls": calls,
+    }
+    if expected_state is not None:
+        rubric["expected_state"] = expected_state
+    return {
+        "user_request": call_request(calls),
+        "goal": "the world state after exactly these calls",
+        "rubric": rubric,
+    }
 
 
 def make_heldout_tasks(
@@ -192,22 +219,7 @@ def make_heldout_tasks(
             store = StateStore()
             store.apply("create", coll, calls[0]["arguments"])
             calls = calls[:1]
-        request = " Then ".join(f"call {c['name']} with {json.dumps(c['arguments'])}." for c in calls)
-        tasks.append(
-            {
-                "id": f"{prefix}-{i:03d}",
-                "user_request": f"Please {request[0].lower()}{request[1:]}",
-                "goal": "the world state after exactly these calls",
-                "rubric": {
-                    "success_criteria": [f"{c['name']} is called with the given arguments" for c in calls],
-                    "expected_tools": [c["name"] for c in calls],
-                    "checkpoints": [],
-                    "expected_calls": calls,
-                    "expected_state": store.snapshot(),
-                },
-                "heldout": True,
-            }
-        )
+        tasks.append({"id": f"{prefix}-{i:03d}", **calls_task(calls, store.snapshot()), "heldout": True})
     return tasks
 
 
@@ -232,13 +244,14 @@ async def evaluate(
     seed: int = 0,
     concurrency: int = 4,
 ) -> dict[str, Any]:
-    """Roll each held-out task out (the agent on `client`, the stateful simulator, no edge failures) and
-    score it; `{"summary": aggregate, "scores": [...]}`."""
+    """Roll each held-out task out (the agent on `client`, greedy; the stateful simulator, no edge
+    failures) and score it; `{"summary": aggregate, "scores": [...]}`."""
     from dataclasses import replace
 
     from k2_data.agentic.trajectory import Limits, rollout
 
-    limits = replace(limits or Limits(max_turns=1), edge_rate=0.0)
+    # greedy and without injected failures: a score is a property of the model, not of a draw
+    limits = replace(limits or Limits(max_turns=1), edge_rate=0.0, temperature=0.0)
     gate = asyncio.Semaphore(concurrency)
     counters: Counter = Counter()
 

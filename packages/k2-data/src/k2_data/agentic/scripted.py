@@ -10,16 +10,24 @@ requests, by the `tools` they carry:
   `UNKNOWN` (a call to an undeclared tool), `REJECT` (the judge rejects), `GARBLED` (the judge answers
   without JSON). `ScriptedTeacher(markers=[...])` cycles the tasks it writes through these markers;
 - `ScriptedTeacher(plan=[(tool, arguments), ...])`: the agent makes exactly these calls, one per step
-  (those of its tool set), then reports every result (for tests of real tool execution).
+  (those of its tool set), then reports every result (for tests of real tool execution);
+- `ScriptedTeacher(follow_requests=True)`: a competent teacher for the before/after student benchmark. Its
+  tasks name concrete calls with seeded values over the agent's tool set, in the held-out request style
+  ("Please call NAME with {json}. Then call NAME2 with {json}.", `concrete_tasks`, drawn from the task
+  request's seed, never the held-out one), and its agent makes the calls its first user turn names, one
+  per step (a failed call is retried), then reports the results.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import random
+import re
 import time
 from typing import Any
 
+from k2_data.agentic.evaluate import _args, calls_task, make_heldout_tasks
 from k2_data.agentic.llm import TAGS, extract_json
 from k2_data.rephrase.loopback import Reply
 
@@ -192,16 +200,61 @@ def tool_call_response(
     }
 
 
+_CALL = re.compile(r"call (\w+) with ")
+
+
+def requested_calls(text: str) -> list[tuple[str, dict[str, Any]]]:
+    """Each `call NAME with {JSON}` of `text` in order (the request style of `call_request`)."""
+    decoder, out = json.JSONDecoder(), []
+    for m in _CALL.finditer(text):
+        try:
+            args, _ = decoder.raw_decode(text, m.end())
+        except json.JSONDecodeError:
+            continue
+        if isinstance(args, dict):
+            out.append((m.group(1), args))
+    return out
+
+
+def _brief(result: str) -> str:
+    """A tool result in a few words: `created key-1` for a state store reply, else `ok` or the text."""
+    try:
+        obj = json.loads(result)
+    except json.JSONDecodeError:
+        return result[:60]
+    if isinstance(obj, dict) and "status" in obj:
+        return f"{obj['status']} {obj.get('id', '')}".strip()
+    return "ok"
+
+
+def concrete_tasks(specs: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
+    """`n` tasks naming concrete calls over `specs` (OpenAI tool specs): with a CRUD create in the set,
+    `make_heldout_tasks`' own tasks (a create, then maybe an update or delete of that record) drawn from
+    `seed`; otherwise one or two calls of the set's tools with `evaluate._args`' seeded values."""
+    crud = make_heldout_tasks(specs, n, seed=seed, prefix="train")
+    if crud:  # the ground truth (expected_calls, expected_state) stays in the rubric
+        return [{k: t[k] for k in ("user_request", "goal", "rubric")} for t in crud]
+    rng = random.Random(seed)
+    fns = [s["function"] for s in specs]
+    out = []
+    for _ in range(n):
+        picked = rng.sample(fns, min(len(fns), rng.choice((1, 2))))
+        out.append(calls_task([{"name": f["name"], "arguments": _args(f, rng)} for f in picked]))
+    return out
+
+
 class ScriptedTeacher:
     def __init__(
         self,
         markers: list[str] | None = None,
         plan: list[tuple[str, dict[str, Any]]] | None = None,
         evolve_faults: bool = True,
+        follow_requests: bool = False,
     ):
         self.markers = list(markers or [""])
         self.evolve_faults = evolve_faults
         self.plan = list(plan or [])
+        self.follow_requests = follow_requests
         self.calls: dict[str, int] = {}
 
     def __call__(self, request: dict[str, Any]) -> Reply:
@@ -212,6 +265,8 @@ class ScriptedTeacher:
         if stage == "agent_loop":
             return self.agent(request)
         user = messages[-1].get("content", "")
+        if stage == "tasks" and self.follow_requests:
+            return Reply(content=self.concrete_task_list(user, int(request.get("seed") or 0)))
         return Reply(content=getattr(self, f"stage_{stage}")(user))
 
     def stage_agent(self, user: str) -> str:
@@ -236,6 +291,14 @@ class ScriptedTeacher:
             for j in range(n)
         ]
         return "Here you go:\n```json\n" + json.dumps({"tasks": tasks}) + "\n```"
+
+    def concrete_task_list(self, user: str, seed: int) -> str:
+        """`concrete_tasks` over the tools the task request lists, seeded by the request's seed (the
+        pipeline's per-agent task seed), so agents with the same tools get different values."""
+        n = int(user.rsplit("Write ", 1)[1].split()[0])
+        lines = user.split("Tools:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+        specs = [{"type": "function", "function": json.loads(line)} for line in lines if line.startswith("{")]
+        return "```json\n" + json.dumps({"tasks": concrete_tasks(specs, n, seed)}) + "\n```"
 
     def stage_domains(self, user: str) -> str:
         n = int(user.rsplit("Write ", 1)[1].split()[0])
@@ -284,6 +347,11 @@ class ScriptedTeacher:
         good = json.dumps(valid_arguments(target.get("parameters") or {}))
         if len(users) > 1:  # a follow-up: answer without tools
             return Reply(content="Confirmed: it worked.")
+        if self.follow_requests:  # the calls the request names (of the set), when it names any
+            names = {t["name"] for t in tools}
+            requested = [(n, a) for n, a in requested_calls(first_user) if n in names]
+            if requested:
+                return self.follow(requested, since)
         if self.plan:
             names = {t["name"] for t in tools}
             plan = [(n, a) for n, a in self.plan if n in names]
@@ -309,3 +377,17 @@ class ScriptedTeacher:
                 return Reply(body=tool_call_response([(target["name"], good)]))
             return Reply(content="Sorry, the tool keeps failing.")
         return Reply(content=f"Done. The tool returned: {str(last.get('content'))[:200]}")
+
+    def follow(self, requested: list[tuple[str, dict[str, Any]]], since: list[dict[str, Any]]) -> Reply:
+        """The next requested call (one per step, as a model makes them; a failed call is retried up to
+        twice), then a short report of every result."""
+        results = [str(m.get("content")) for m in since if m["role"] == "tool"]
+        errors = [r for r in results if r.startswith("Error:")]
+        ok = [r for r in results if not r.startswith("Error:")]
+        if len(errors) >= 3:
+            return Reply(content=f"Sorry, {requested[len(ok)][0]} keeps failing: {errors[-1][:120]}")
+        if len(ok) < len(requested):
+            name, arguments = requested[len(ok)]
+            return Reply(body=tool_call_response([(name, json.dumps(arguments))], start=len(results)))
+        report = " ".join(f"{n}: {_brief(r)}." for (n, _), r in zip(requested, ok))
+        return Reply(content=f"Done. {report}")
