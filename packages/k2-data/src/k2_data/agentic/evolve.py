@@ -143,6 +143,11 @@ def check_tool(raw: Any) -> tuple[dict[str, Any] | None, str]:
     return spec, ""
 
 
+def spec_name(spec: dict[str, Any]) -> str:
+    """A tool's name, from an OpenAI spec or a bare function object."""
+    return (spec["function"] if "function" in spec else spec)["name"]
+
+
 def tool_text(spec: dict[str, Any]) -> str:
     """What is embedded for a tool: its name as words and its description."""
     fn = spec["function"] if "function" in spec else spec
@@ -233,7 +238,7 @@ async def evolve_tools(
     report.domains = [f"{c}/{d}" for c, d, _ in tree]
 
     existing_specs = [e.spec if hasattr(e, "spec") else e for e in existing]
-    existing_names = [s["function"]["name"] if "function" in s else s["name"] for s in existing_specs]
+    existing_names = [spec_name(s) for s in existing_specs]
     kept: list[dict[str, Any]] = []  # survivors of every round so far, in generation order
     seen = set(existing_names)
 
@@ -282,7 +287,7 @@ async def evolve_tools(
             embedder,
         )
         report.dedup_seconds = round(report.dedup_seconds + time.perf_counter() - t0, 3)
-        names_before = [s["function"]["name"] if "function" in s else s["name"] for s in before]
+        names_before = [spec_name(s) for s in before]
         for i, j, cos in drops:
             other = names_before[-(1 + j)] if j < 0 else candidates[j]["spec"]["function"]["name"]
             report.near_duplicate_pairs.append(

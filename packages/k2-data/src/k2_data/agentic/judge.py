@@ -43,15 +43,21 @@ def checks(traj: dict[str, Any], rubric: dict[str, Any]) -> dict[str, bool]:
         out["trainable"] = False
     last = messages[-1] if messages else {}
     out["final_answer"] = last.get("role") == "assistant" and bool((last.get("content") or "").strip())
-    ok_calls: set[str] = set()
-    results = {m.get("tool_call_id"): m for m in messages if m.get("role") == "tool"}
-    for m in messages:
-        for c in m.get("tool_calls") or []:
-            res = results.get(c.get("id"))
-            if res is not None and not str(res.get("content", "")).startswith("Error:"):
-                ok_calls.add(c["function"]["name"])
+    ok_calls = {c["function"]["name"] for c in calls_that_ran(messages)}
     out["expected_tools"] = all(t in ok_calls for t in rubric.get("expected_tools") or [])
     return out
+
+
+def calls_that_ran(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tool calls of a conversation whose result is not an error, in order."""
+    results = {m.get("tool_call_id"): m for m in messages if m.get("role") == "tool"}
+    return [
+        c
+        for m in messages
+        for c in m.get("tool_calls") or []
+        if (res := results.get(c.get("id"))) is not None
+        and not str(res.get("content", "")).startswith("Error:")
+    ]
 
 
 def delivered_program(messages: list[dict[str, Any]]) -> str | None:
@@ -65,17 +71,9 @@ def delivered_program(messages: list[dict[str, Any]]) -> str | None:
         block = last_code_block(last.get("content") or "")
         if block is not None:
             return block
-    results = {m.get("tool_call_id"): m for m in messages if m.get("role") == "tool"}
     program = None
-    for m in messages:
-        for c in m.get("tool_calls") or []:
-            res = results.get(c.get("id"))
-            if (
-                c["function"]["name"] != CODE_TOOL_NAME
-                or res is None
-                or str(res.get("content", "")).startswith("Error:")
-            ):
-                continue
+    for c in calls_that_ran(messages):
+        if c["function"]["name"] == CODE_TOOL_NAME:
             try:
                 program = json.loads(c["function"]["arguments"]).get("code")
             except (ValueError, AttributeError):
