@@ -277,6 +277,7 @@ def run_k2_side(args: argparse.Namespace, hf: Path, tasks: Path, optimizer: str,
         "--eval-every", "0", "--save-every", "0", "--seed", str(args.seed),
         "--threads", str(args.threads), "--rollout-threads", str(args.threads),
         "--reward-workers", str(args.reward_workers), "--device", "cpu", "--out", str(run_dir),
+        "--kl-every", str(args.k2_kl_every),
     ]  # fmt: skip
     if optimizer == "adamw":
         cmd += ["--lr", str(args.lr)]
@@ -337,6 +338,13 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-6, help="AdamW lr, both sides (TRL's default)")
     ap.add_argument("--k2-optimizers", default="adamw,muonclip", help="k2 runs, one per optimizer")
     ap.add_argument("--sides", default="trl,k2", help="which sides to run, in this order")
+    ap.add_argument(
+        "--k2-kl-every",
+        type=int,
+        default=0,
+        help="k2's --kl-every: its KL estimate is one more forward; TRL at beta=0 computes no KL, so "
+        "0 (the default here) times the same work on both sides",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/bench-rl/bench", help="work dir (model, runs, results.json)")
     ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)  # internal: a spec JSON

@@ -402,3 +402,24 @@ def test_bias_update_all_reduces_loads_over_ranks(tmp_path) -> None:
     expected = 1e-3 * torch.sign(total[0].mean() - total[0])
     torch.testing.assert_close(r0["bias"], expected, rtol=0, atol=1e-9)
     torch.testing.assert_close(r1["bias"], expected, rtol=0, atol=1e-9)
+
+
+def test_explicit_3d_attention_mask_equals_the_masks_it_spells_out() -> None:
+    """A [B, S, S] "may attend" matrix is taken as given: spelling out causal-within-documents
+    with padding gives the logits of `document_ids` + `attention_mask`; a wrong shape is refused."""
+    cfg = small_config()
+    torch.manual_seed(5)
+    model = K2ForCausalLM(cfg).eval()
+    S = 40
+    ids = torch.randint(0, cfg.vocab_size, (2, S))
+    doc = (torch.arange(S) >= 15).long()[None].expand(2, S).clone()
+    pad = torch.ones(2, S, dtype=torch.long)
+    pad[1, 35:] = 0
+    allowed = torch.ones(S, S, dtype=torch.bool).tril() & (doc.unsqueeze(2) == doc.unsqueeze(1))
+    allowed &= pad.bool().unsqueeze(1)
+    with torch.no_grad():
+        want = model(ids, attention_mask=pad, document_ids=doc).logits
+        got = model(ids, attention_mask=allowed).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="3-D attention_mask"):
+        model(ids, attention_mask=allowed[:, :, :-1])

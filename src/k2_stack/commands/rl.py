@@ -50,6 +50,11 @@ FLAGS = [
     ("ptx_data", str, "chat JSONL for the PTX term"),
     ("updates_per_iteration", int, "optimizer steps on each iteration's rollouts"),
     ("micro_prompts", int, "prompts per micro-batch (0 = all)"),
+    (
+        "prompt_sharing",
+        str,
+        "auto: one prompt pass for its K responses in the trainer's forwards; off: row by row",
+    ),
     ("optimizer", str, "muonclip | muon | adamw"),
     ("lr", float, "learning rate (Muon's for muon/muonclip)"),
     ("adamw_lr", float, "AdamW lr of embeddings, head and 1-D params (0 = --lr)"),

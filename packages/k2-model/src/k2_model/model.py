@@ -368,6 +368,19 @@ class K2Model(nn.Module):
         # not that shape, so those batches take the masked paths. The [B, S, S] mask is built only
         # when some layer needs it, so fused training stays linear in S with documents too.
         segments = None
+        if attention_mask_BS is not None and attention_mask_BS.dim() == 3:
+            # an explicit [B, S, L] "may attend" matrix (e.g. K responses sharing one prompt): it
+            # is taken as given, plus the diagonal so no softmax row is empty
+            if attention_mask_BS.shape != (B, S, S) or document_ids_BS is not None:
+                raise ValueError(
+                    f"a 3-D attention_mask must be [batch, seq, seq] = {(B, S, S)} without document_ids, "
+                    f"got {tuple(attention_mask_BS.shape)}"
+                )
+            mask_BSL = attention_mask_BS.bool() | torch.eye(S, dtype=torch.bool, device=device)
+            h_BSD = self.embed_tokens(input_ids_BS)
+            for layer in self.layers:
+                h_BSD = layer(h_BSD, cos, sin, mask_BSL, None)
+            return self.norm(h_BSD)
         if document_ids_BS is not None and attention_mask_BS is None:
             segments = PackedSegments.from_document_ids(document_ids_BS)
         elif document_ids_BS is None and attention_mask_BS is None:  # plain causal: a row, a sequence
@@ -482,7 +495,9 @@ class K2ForCausalLM(nn.Module):
         tokens (position t is scored against labels[t + 1]; the model shifts), `shift_labels`
         [B, S] are already the next tokens (position t against shift_labels[t]; k2-data's loader
         yields these, so `model(**batch).loss` is the training loss). Passing both is an error.
-        `attention_mask` [B, S]: 1 = token, 0 = padding. `document_ids` [B, S]: packed sequences
+        `attention_mask` [B, S]: 1 = token, 0 = padding; or [B, S, S] bool, True where query s may
+        attend key l, taken as given (K2's RL trainer packs K responses after one shared prompt
+        this way; such batches take the masked attention paths). `document_ids` [B, S]: packed sequences
         attend only within their document (pass position_ids that restart per document too).
         `logits_mask` [B, S] bool: apply the head only where True; logits come back [K, N] for
         the K kept positions in row-major order (and the loss, if any, is over those). SFT trains

@@ -119,7 +119,7 @@ def build_batch(
     pad_id: int,
 ) -> dict[str, torch.Tensor]:
     """One row per response: prompt + response tokens (right-padded), `shift_labels` on the
-    response's tokens only, `group_ids` (the prompt's index), `rewards`."""
+    response's tokens only, `group_ids` (the prompt's index), `prompt_lens`, `rewards`."""
     rows = [
         (p, list(prompt_ids[p]) + list(s.token_ids), len(prompt_ids[p]))
         for p, group in enumerate(samples)
@@ -136,6 +136,7 @@ def build_batch(
         "input_ids": input_ids,
         "shift_labels": labels,
         "group_ids": torch.tensor([p for p, _, _ in rows], dtype=torch.long),
+        "prompt_lens": torch.tensor([n for _, _, n in rows], dtype=torch.long),
         "rewards": torch.tensor(list(rewards), dtype=torch.float32),
     }
 
@@ -701,6 +702,8 @@ class _Loop:
             t0 = time.perf_counter()
             payload = dd.broadcast_object(payload, info)
             batch = {k: self._my_rows(v).to(self.device) for k, v in payload["batch"].items()}
+            if cfg.prompt_sharing == "off":
+                del batch["prompt_lens"]
             engine_logp = self._my_rows(payload["engine_logp"]).to(self.device)
             chunk = self.rows_per_micro
             on_policy = cfg.updates_per_iteration == 1

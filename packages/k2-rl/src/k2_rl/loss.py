@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from k2_train.losses import takes_logits_mask
 from torch import Tensor, nn
 
+from k2_rl.shared_prompt import packable, shared_prompt_token_logprobs
+
 IGNORE_INDEX = -100
 
 
@@ -129,12 +131,16 @@ def token_logprobs(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     """log pi(shift_labels[t] | tokens <= t) for every position, [B, S] (0 where the label is -100).
 
     The batch follows k2's label convention: `shift_labels` are the next tokens, -100 outside the
-    response."""
+    response. A batch that names its prompts (`prompt_lens`, `group_ids`, as `k2 rl` builds it) is
+    run with one prompt pass per group (`k2_rl.shared_prompt`) when it can be."""
     inputs = {
         k: batch[k] for k in ("input_ids", "position_ids", "document_ids", "attention_mask") if k in batch
     }
     labels = batch["shift_labels"]
     response = labels != IGNORE_INDEX
+    if takes_logits_mask(model) and packable(batch):  # one prompt pass for its K responses
+        pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+        return shared_prompt_token_logprobs(model, batch, pad if pad is not None else 0)
     if takes_logits_mask(model):  # the head and softmax on the response positions only
         logits_KN = model(**inputs, logits_mask=response).logits.float()
         logp_K = torch.log_softmax(logits_KN, dim=-1).gather(-1, labels[response].unsqueeze(-1)).squeeze(-1)
