@@ -24,23 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from sft_tooluse import ROOT, Server, _steps_done, export_random_init, k2
+from bench_common import machine, run_k2
+from sft_tooluse import ROOT, Server, _steps_done, export_random_init
 
 CONFIG = ROOT / "benchmarks" / "configs" / "sft_tooluse_small.json"
-
-
-def run_cli(*args: str) -> str:
-    """A k2 command in a subprocess; its stdout (it raises with the output tail when it fails)."""
-    proc = subprocess.run([sys.executable, "-m", "k2_stack", *args], text=True, capture_output=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"k2 {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc.stdout
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -116,7 +107,7 @@ def heldout_lengths(data: Path) -> list[int]:
 def tokenize(data: Path, shards: Path) -> dict:
     if not (shards / "manifest.json").is_file():
         t0 = time.perf_counter()
-        k2("data", "sft", str(data / "sft.jsonl"), "--out", str(shards))
+        run_k2("data", "sft", str(data / "sft.jsonl"), "--out", str(shards))
         (shards / "seconds.txt").write_text(f"{time.perf_counter() - t0:.1f}\n")
     lengths = sorted(token_lengths(shards))
     held = sorted(heldout_lengths(data))
@@ -139,13 +130,13 @@ def tokenize(data: Path, shards: Path) -> dict:
 
 def train(args: argparse.Namespace, shards: Path, run: Path, seq_len: int) -> dict:
     if not (run / "state" / "latest").is_file():
-        k2(
+        run_k2(
             "sft", "--config", str(args.config), "--data", str(shards), "--seq-len", str(seq_len),
             "--steps", str(args.steps), "--seed", str(args.seed), "--threads", str(args.threads),
             "--out", str(run), "--json", *args.sft_args.split(),
         )  # fmt: skip
     elif _steps_done(run) < args.steps:  # stopped part-way: continue exactly
-        k2("sft", "--resume", str(run), "--json")
+        run_k2("sft", "--resume", str(run), "--json")
     metrics = read_jsonl(run / "metrics.jsonl")
     return {
         "steps": metrics[-1]["step"],
@@ -161,7 +152,7 @@ def score(args: argparse.Namespace, data: Path, model: Path, scores: Path) -> di
     """`k2 serve --model` on loopback scored by `k2 data agentic --eval-only` on the held-out tasks."""
     if not scores.is_file():
         with Server("--model", str(model), "--device", "cpu") as srv:
-            run_cli(
+            run_k2(
                 "data", "agentic", "--out", str(data), "--eval-only", "--heldout", str(args.heldout),
                 "--base-url", srv.url + "/v1", "--model", "m", "--simulate-mcp", "--no-coverage",
                 "--max-tokens", str(args.eval_max_tokens), "--scores-file", str(scores),
@@ -185,17 +176,6 @@ def noop_state_accuracy(data: Path) -> float:
     expected state is empty (a record created, then deleted)."""
     tasks = read_jsonl(data / "heldout_tasks.jsonl")
     return sum(not t["rubric"]["expected_state"] for t in tasks) / len(tasks)
-
-
-def machine() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-
-        name = platform.processor() or platform.machine()
-    return f"{name}, {os.cpu_count()} cores"
 
 
 def table(rows: dict[str, dict]) -> str:
@@ -247,7 +227,7 @@ def main() -> int:
         f"trained: {sft['steps']} steps in {sft['train_s']:.0f} s, loss {sft['final_loss']:.3f}", flush=True
     )
     if not (args.out / "student-hf" / "config.json").is_file():
-        k2("export", str(run), "--out", str(args.out / "student-hf"))
+        run_k2("export", str(run), "--out", str(args.out / "student-hf"))
     if not (args.out / "init-hf" / "config.json").is_file():
         export_random_init(run, args.out / "init-hf")
     rows = {

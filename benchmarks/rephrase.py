@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+from bench_common import cpu_name
 from k2_data.agent.client import AsyncHTTPChatClient, HTTPChatClient
 
 
@@ -78,14 +79,6 @@ def strip(samples: list[int], slots: int = 12) -> str:
     return " ".join(
         f"{sum(samples[i : i + k]) / len(samples[i : i + k]):.0f}" for i in range(0, len(samples), k)
     )
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def main() -> None:

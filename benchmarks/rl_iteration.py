@@ -49,12 +49,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench_common import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("generation_s", "reward_s", "training_s", "sync_s")
@@ -62,14 +63,6 @@ TRL_NAME = "TRL GRPOTrainer (AdamW)"
 
 
 # ----------------------------------------------------------------------------- preparation
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def prepare_model(init: str | None, out: Path, seed: int) -> Path:

@@ -19,23 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from bench_common import machine, run_k2
+
 ROOT = Path(__file__).resolve().parents[1]
 SFT_DEFAULTS = "--seq-len 256 --batch 16 --eval-every 50 --save-every 50"
 RL_DEFAULTS = "--prompts-per-iteration 16 --samples-per-prompt 8 --max-response-tokens 48 --eval-every 5 --eval-prompts 100"
-
-
-def k2(*args: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "k2_stack", *args], text=True, capture_output=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"k2 {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
 def rows(run: Path) -> list[dict]:
@@ -60,17 +54,9 @@ def train(run: Path, key: str, target: int, *args: str) -> None:
         return
     cmd = args[0]
     if (run / "state" / "latest").is_file():
-        k2(cmd, "--resume", str(run), "--json")
+        run_k2(cmd, "--resume", str(run), "--json")
     else:
-        k2(*args, "--out", str(run), "--json")
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+        run_k2(*args, "--out", str(run), "--json")
 
 
 def _digits(task_args: str) -> int:
@@ -147,8 +133,7 @@ def main() -> int:
         )
     device = ["--device", args.device]
     results: dict = {
-        "machine": f"{cpu_name()}, {os.cpu_count()} cores"
-        + (f", {args.device}" if args.device != "cpu" else ""),
+        "machine": machine() + (f", {args.device}" if args.device != "cpu" else ""),
         "iterations": args.iterations,
         "sft_steps": args.sft_steps,
         "sft_args": args.sft_args,

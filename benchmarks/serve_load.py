@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import socket
 import statistics
@@ -39,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from bench_common import machine
 
 WORDS = "the of and to in is was for on with as by at from that this it be are or an which model data train token".split()
 TOOL = {
@@ -75,19 +75,6 @@ def workload(n: int, seed: int) -> list[dict]:
         out.append(body)
         conv.append({"role": "assistant", "content": _text(rng, rng.randint(10, 30))})
     return out
-
-
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return f"{cpu}, {len(os.sched_getaffinity(0))} cores usable, load average {load:.1f}"
 
 
 def log_tail(proc: subprocess.Popen, n: int = 2000) -> str:
@@ -296,7 +283,7 @@ def main() -> None:
             if proc is not None:
                 proc.terminate()
                 proc.wait(30)
-    print(f"machine: {machine()}")
+    print(f"machine: {machine(load=True)}")
     print(
         f"model {model_dir}; {args.requests} requests, {args.clients} clients, max_tokens {args.max_tokens}, "
         f"{args.threads} torch thread(s) per server"

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from bench_common import run_k2
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,13 +125,6 @@ def evaluate(url: str, heldout: list[dict], max_tokens: int, workers: int = 8) -
     }
 
 
-def k2(*args: str) -> None:
-    env = dict(os.environ)
-    proc = subprocess.run([sys.executable, "-m", "k2_stack", *args], env=env, text=True, capture_output=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"k2 {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-
-
 def export_random_init(run: Path, out: Path) -> Path:
     """The model `k2 sft` started `run` from (its config's architecture, seeded init), exported."""
     import torch
@@ -176,7 +170,7 @@ def main() -> int:
         run = args.out / f"seed{seed}"
         hf = args.out / f"seed{seed}-hf"
         if not (run / "state" / "latest").is_file():
-            k2(
+            run_k2(
                 "sft",
                 "--seed",
                 str(seed),
@@ -190,11 +184,11 @@ def main() -> int:
                 *args.sft_args.split(),
             )
         elif _steps_done(run) < args.steps:  # a run stopped part-way: continue it exactly
-            k2("sft", "--resume", str(run), "--json")
+            run_k2("sft", "--resume", str(run), "--json")
         # the run may have been trained earlier (or beside other runs): its own step times count
         metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         train_s = sum(m.get("step_s") or 0.0 for m in metrics)
-        k2("export", str(run), "--out", str(hf))
+        run_k2("export", str(run), "--out", str(hf))
         with Server("--model", str(hf), "--device", args.device) as srv:
             sft = evaluate(srv.url, heldout, args.max_tokens)
         init = export_random_init(run, args.out / f"seed{seed}-init-hf")

@@ -300,3 +300,21 @@ def test_a_killed_rollout_worker_is_restarted_and_resynced(tmp_path):
     assert any("the rollout worker died" in m for m in logs)
     its = [r for r in _rows(tmp_path / "killed") if "reward_mean" in r]
     assert [r["iteration"] for r in its] == [1, 2] and its[1]["rollout_s"] > 0
+
+
+@pytest.mark.cuda
+def test_rl_loop_on_a_gpu_switches_engines_and_shares_prompts(tmp_path):
+    """The whole loop with the policy on a GPU: the rollout worker frees its KV pool before each
+    update (engine switching, "auto" = on there), and the first step's loss with one prompt pass
+    per group (masked SDPA) equals the row-by-row one (fused kernel) within float rounding."""
+    kw = dict(device="cuda", iterations=2, updates_per_iteration=1, eval_every=2, kl_every=1)
+    run_rl(_cfg(tmp_path, "shared", **kw), log=lambda _m: None)
+    run_rl(_cfg(tmp_path, "rows", prompt_sharing="off", **kw), log=lambda _m: None)
+    shared, rows = _rows(tmp_path / "shared"), _rows(tmp_path / "rows")
+    its = [r for r in shared if "reward_mean" in r]
+    assert len(its) == 2 and all(r["rollout_cache_freed_mb"] > 0 for r in its)
+    assert [r["iteration"] for r in shared if "heldout_accuracy" in r] == [0, 2]
+    first = [
+        next(r["loss"] for r in rs if r.get("step") == 1 and "reward_mean" not in r) for rs in (shared, rows)
+    ]
+    assert first[0] == pytest.approx(first[1], rel=1e-3, abs=1e-4)
