@@ -106,9 +106,17 @@ def test_heldout_tasks_scored_by_calls_and_final_state(tmp_path):
                 return await evaluate(client, "m", agent, tasks)
 
     good = asyncio.run(run(False))
-    assert good["summary"] == {"tasks": 6, "bfcl_accuracy": 1.0, "call_recall": 1.0, "state_accuracy": 1.0}
+    assert good["summary"] == {
+        "tasks": 6,
+        "bfcl_accuracy": 1.0,
+        "call_recall": 1.0,
+        "tool_name_recall": 1.0,
+        "state_accuracy": 1.0,
+    }
     bad = asyncio.run(run(True))
     assert bad["summary"]["bfcl_accuracy"] == 0.0
+    # every tool was the right one, one argument per task was not: names 100%, calls short of it
+    assert bad["summary"]["tool_name_recall"] == 1.0 and bad["summary"]["call_recall"] < 1.0
     # a sloppy create is overwritten by a later update or erased by a delete: the state can still match
     ok_state = sum(s["state"] for s in bad["scores"])
     creates_only = sum(len(t["rubric"]["expected_calls"]) == 1 for t in tasks)

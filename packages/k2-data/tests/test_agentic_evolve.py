@@ -229,3 +229,25 @@ def test_projection_has_one_point_per_tool(tmp_path):
     assert cov["by_source"] == {"json": 4, "mcp": 1, "synthetic": 1} and cov["domains"] == 3
     assert sum(cov["explained_variance"]) > 0
     assert (tmp_path / "cov.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cached_embedder_embeds_each_text_once():
+    """Refill rounds compare against everything kept: the kept tools are embedded once, not per round."""
+    import torch
+    from k2_data.agentic.evolve import CachedEmbedder, near_duplicates
+
+    class Counting:
+        def __init__(self):
+            self.seen: list[str] = []
+
+        def embed(self, texts):
+            self.seen += texts
+            return torch.nn.functional.normalize(torch.tensor([[float(len(t)), 1.0] for t in texts]), dim=1)
+
+    inner = Counting()
+    cached = CachedEmbedder(inner)
+    plain = near_duplicates(["a", "bbbb"], ["cc", "a"], 0.9999, inner)
+    inner.seen.clear()
+    assert near_duplicates(["a", "bbbb"], ["cc", "a"], 0.9999, cached) == plain
+    assert near_duplicates(["a", "bbbb", "cc"], ["ddddd"], 0.9999, cached)[0] == [True]
+    assert sorted(inner.seen) == ["a", "bbbb", "cc", "ddddd"]  # each text embedded once over both calls

@@ -77,7 +77,13 @@ def test_oracle_agent_scores_full_marks_on_heldout_tasks():
                 return await evaluate(client, "m", agent, tasks)
 
     result = asyncio.run(run())
-    assert result["summary"] == {"tasks": 10, "bfcl_accuracy": 1.0, "call_recall": 1.0, "state_accuracy": 1.0}
+    assert result["summary"] == {
+        "tasks": 10,
+        "bfcl_accuracy": 1.0,
+        "call_recall": 1.0,
+        "tool_name_recall": 1.0,
+        "state_accuracy": 1.0,
+    }
     assert all(s["names_matched"] == s["calls_expected"] for s in result["scores"])
 
 

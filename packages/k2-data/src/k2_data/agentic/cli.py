@@ -173,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
     held = summary.get("heldout")
     held_line = (
         f"held-out ({held['tasks']} tasks, {held['model']}): BFCL calls {held['bfcl_accuracy']:.1%}, "
-        f"call recall {held['call_recall']:.1%}, final state {held['state_accuracy']:.1%}"
+        f"call recall {held['call_recall']:.1%}, tool names {held['tool_name_recall']:.1%}, "
+        f"final state {held['state_accuracy']:.1%}"
         if held
         else None
     )

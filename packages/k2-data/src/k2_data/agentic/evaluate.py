@@ -18,7 +18,7 @@ on a fresh store, so the truth is the world model's own, not an LLM's guess).
 - `make_heldout_tasks(specs, n, seed)`: tasks from the CRUD tools of a tool set (a create, optionally
   followed by an update or delete of the same record), with explicit arguments in the request;
   `evaluate(...)` rolls them out with the agent and the simulator and aggregates
-  (`bfcl_accuracy`, `state_accuracy`, `call_recall`).
+  (`bfcl_accuracy`, `state_accuracy`, `call_recall`, `tool_name_recall`).
 """
 
 from __future__ import annotations
@@ -230,6 +230,9 @@ def aggregate(scores: list[dict[str, Any]]) -> dict[str, Any]:
         "tasks": n,
         "bfcl_accuracy": sum(s["bfcl"] for s in scores) / n if n else 0.0,
         "call_recall": sum(s["calls_matched"] for s in scores)
+        / max(sum(s["calls_expected"] for s in scores), 1),
+        # the right tools whatever their arguments: what a student learns before copying values
+        "tool_name_recall": sum(s.get("names_matched", 0) for s in scores)
         / max(sum(s["calls_expected"] for s in scores), 1),
         "state_accuracy": sum(s["state"] for s in with_state) / len(with_state) if with_state else 0.0,
     }

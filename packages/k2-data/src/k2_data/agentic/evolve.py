@@ -182,6 +182,22 @@ def near_duplicates(
     return keep, drops
 
 
+class CachedEmbedder:
+    """Embeds each distinct text once. Refill rounds compare new candidates against everything kept
+    so far; without the cache every round would embed the kept tools again."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.vectors = inner, {}
+
+    def embed(self, texts: list[str]) -> Any:
+        import torch
+
+        missing = list(dict.fromkeys(t for t in texts if t not in self.vectors))
+        if missing:
+            self.vectors.update(zip(missing, self.inner.embed(missing)))
+        return torch.stack([torch.as_tensor(self.vectors[t]) for t in texts])
+
+
 async def evolve_tools(
     client: Any,
     model: str,
@@ -278,6 +294,8 @@ async def evolve_tools(
             from k2_data.rephrase.embed import load_embedder
 
             embedder = load_embedder()
+        if not isinstance(embedder, CachedEmbedder):
+            embedder = CachedEmbedder(embedder)
         t0 = time.perf_counter()
         before = existing_specs + [c["spec"] for c in kept]  # compared against everything kept so far
         keep, drops = near_duplicates(
