@@ -308,7 +308,7 @@ def test_rl_loop_on_a_gpu_switches_engines_and_shares_prompts(tmp_path):
     update (engine switching, "auto" = on there), and the first step's loss with one prompt pass
     per group (masked SDPA) equals the row-by-row one (fused kernel) within float rounding."""
     kw = dict(device="cuda", iterations=2, updates_per_iteration=1, eval_every=2, kl_every=1)
-    run_rl(_cfg(tmp_path, "shared", **kw), log=lambda _m: None)
+    run_rl(_cfg(tmp_path, "shared", prompt_sharing="on", **kw), log=lambda _m: None)
     run_rl(_cfg(tmp_path, "rows", prompt_sharing="off", **kw), log=lambda _m: None)
     shared, rows = _rows(tmp_path / "shared"), _rows(tmp_path / "rows")
     its = [r for r in shared if "reward_mean" in r]

@@ -98,3 +98,15 @@ def test_not_packable_when_the_rows_do_not_share_their_prompt_or_are_too_long():
     long_prompt = [list(range(3, 3 + MAX_PACKED_LEN))]
     samples = [[Sample([5, 6], [0.0, 0.0], "stop"), Sample([7], [0.0], "stop")]]
     assert not packable(build_batch(long_prompt, samples, [1.0, 0.0], pad_id=0))
+
+
+def test_an_empty_response_is_skipped_not_misaligned():
+    """A row with no scored token (an empty response) packs to nothing; the others keep their values."""
+    prompts = [[5, 6, 7]]
+    samples = [[Sample([], [], "stop"), Sample([8, 9], [0.0, 0.0], "stop"), Sample([10], [0.0], "stop")]]
+    batch = build_batch(prompts, samples, [0.0, 1.0, 0.5], pad_id=0)
+    assert packable(batch)
+    model = _model(False)
+    packed = token_logprobs(model, batch)
+    torch.testing.assert_close(packed, token_logprobs(model, _rows(batch)), rtol=1e-5, atol=1e-5)
+    assert (packed[0] == 0).all()

@@ -53,7 +53,7 @@ FLAGS = [
     (
         "prompt_sharing",
         str,
-        "auto: one prompt pass for its K responses in the trainer's forwards; off: row by row",
+        "on: one prompt pass for its K responses in the trainer's forwards; off: row by row; auto: on for a CPU trainer",
     ),
     ("optimizer", str, "muonclip | muon | adamw"),
     ("lr", float, "learning rate (Muon's for muon/muonclip)"),

@@ -225,6 +225,9 @@ class _Loop:
             torch.cuda.set_device(self.device)
         if not info.is_main:
             self.log = lambda _m: None
+        self.share_prompts = cfg.prompt_sharing == "on" or (
+            cfg.prompt_sharing == "auto" and self.device.type == "cpu"
+        )
         if cfg.ep > 1 and not info.enabled:
             raise ValueError(f"rl config: ep={cfg.ep} needs several trainer processes (run under torchrun)")
         if info.enabled:
@@ -529,7 +532,7 @@ class _Loop:
             try:
                 out = self.rollout.generate(prompts, **kw)
             except Exception as e:
-                if self.worker is None or self.worker.alive():
+                if self.worker is None or not self.worker.exited(within_s=5.0):
                     raise
                 self.log(f"the rollout worker died ({e!r}); restarting it with the current policy")
                 self.rollout = self.worker.restart()
@@ -702,7 +705,7 @@ class _Loop:
             t0 = time.perf_counter()
             payload = dd.broadcast_object(payload, info)
             batch = {k: self._my_rows(v).to(self.device) for k, v in payload["batch"].items()}
-            if cfg.prompt_sharing == "off":
+            if not self.share_prompts:
                 del batch["prompt_lens"]
             engine_logp = self._my_rows(payload["engine_logp"]).to(self.device)
             chunk = self.rows_per_micro

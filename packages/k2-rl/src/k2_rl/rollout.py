@@ -334,6 +334,16 @@ class RolloutWorker:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def exited(self, within_s: float = 0.0) -> bool:
+        """Whether the worker process has exited, waiting up to `within_s` for it: a killed
+        process's sockets close (the client sees a reset) a moment before it can be reaped."""
+        deadline = time.monotonic() + within_s
+        while self.alive():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def restart(self) -> RolloutClient:
         self.close()
         self.restarts += 1

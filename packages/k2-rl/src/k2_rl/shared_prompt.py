@@ -58,6 +58,8 @@ class Packing:
             at = P
             for r in rs:
                 n = resp_lens[r]
+                if n == 0:  # nothing of this row is scored
+                    continue
                 self.input_ids[g, at : at + n] = ids[r, P : P + n]
                 self.position_ids[g, at : at + n] = torch.arange(P, P + n, device=dev)
                 allowed[g, at : at + n, :P] = True
