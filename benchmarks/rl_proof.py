@@ -10,7 +10,8 @@ optimizer steps as the RL run took, at the RL run's learning rates (constant). A
     python benchmarks/rl_proof.py [--seeds 0 1 2] [--objectives k15 grpo] [--iterations 30]
         [--sft-steps 150] [--device cpu|cuda] [--out runs/rl-proof] [--rl-args "..."] [--sft-args "..."]
 
-Reruns skip finished runs and continue interrupted ones (`--resume`). Writes OUT/results.json,
+Reruns skip finished runs and continue interrupted ones (`--resume`); a rerun with more
+--iterations extends the finished RL runs (a new baseline per step count). Writes OUT/results.json,
 OUT/rl_proof.png (reward, accuracy, response length and sync time per iteration, every seed and
 objective) and prints the markdown table for docs/results.md.
 """
@@ -54,7 +55,9 @@ def train(run: Path, key: str, target: int, *args: str) -> None:
         return
     cmd = args[0]
     if (run / "state" / "latest").is_file():
-        run_k2(cmd, "--resume", str(run), "--json")
+        # an RL run may also be extended past its planned end (`k2 rl --resume --iterations N`)
+        more = ["--iterations", str(target)] if cmd == "rl" else []
+        run_k2(cmd, "--resume", str(run), *more, "--json")
     else:
         run_k2(*args, "--out", str(run), "--json")
 
@@ -167,7 +170,7 @@ def main() -> int:
         # The baseline takes the RL run's optimizer steps at the RL run's learning rates, constant (no
         # warmup, no decay): a fresh SFT schedule would warm up to the SFT peak and knock the
         # converged policy back (3-digit addition, seed 0: 30% -> 14% in 20 steps at peak 1e-2).
-        base = out / f"seed{seed}" / "sft-continued"
+        base = out / f"seed{seed}" / f"sft-continued-{per['rl_steps']}"
         lrs = ["--lr", str(rl_cfg["lr"]), "--adamw-lr", str(rl_cfg["adamw_lr"]), "--warmup-steps", "0",
                "--decay-fraction", "0"]  # fmt: skip
         train(base, "step", per["rl_steps"], "sft", "--init", str(sft), "--data", str(data / "sft.jsonl"),

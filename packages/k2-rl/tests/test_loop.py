@@ -318,3 +318,31 @@ def test_rl_loop_on_a_gpu_switches_engines_and_shares_prompts(tmp_path):
         next(r["loss"] for r in rs if r.get("step") == 1 and "reward_mean" not in r) for rs in (shared, rows)
     ]
     assert first[0] == pytest.approx(first[1], rel=1e-3, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_resume_extends_a_run_to_more_iterations_exactly(tmp_path, capsys):
+    """`k2 rl --resume RUN --iterations N` runs a finished run on to N: the same rewards and losses
+    as the N-iteration run (the lr is constant, prompts and seeds are functions of the iteration).
+    With a temperature decay over `iterations` the extension is refused by name."""
+    from k2_stack.cli import main
+
+    kw = dict(eval_every=0, updates_per_iteration=1, micro_prompts=0)
+    run_rl(_cfg(tmp_path, "full", iterations=3, **kw), log=lambda _m: None)
+    cfg_file = tmp_path / "ext.json"
+    cfg_file.write_text(json.dumps(_cfg(tmp_path, "ext", iterations=2, **kw).to_dict()))
+    assert main(["rl", "--config", str(cfg_file), "--json"]) == 0
+    assert main(["rl", "--resume", str(tmp_path / "ext"), "--iterations", "3", "--json"]) == 0
+
+    def key(run):
+        return [(r.get("iteration"), r.get("step"), r.get("loss"), r.get("reward_mean")) for r in _rows(run)]
+
+    assert key(tmp_path / "ext") == key(tmp_path / "full")
+    assert json.loads((tmp_path / "ext" / "config.json").read_text())["iterations"] == 3
+
+    decay = tmp_path / "decay.json"
+    decay.write_text(json.dumps(_cfg(tmp_path, "decay", iterations=1, temperature_end=0.5, **kw).to_dict()))
+    assert main(["rl", "--config", str(decay), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["rl", "--resume", str(tmp_path / "decay"), "--iterations", "2"]) == 2
+    assert "refusing to change --iterations 2" in capsys.readouterr().out

@@ -102,6 +102,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _extendable(run_dir: Path) -> set[str]:
+    """{"iterations"} when a resume may run the loop past its planned end: the lr is constant and
+    prompts and sampling seeds are functions of the iteration, so a run extended from 50 to 100
+    iterations is the 100-iteration run; only a temperature decay spans `iterations`."""
+    try:
+        stored = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    return {"iterations"} if stored.get("temperature") == stored.get("temperature_end") else set()
+
+
 def build_config(args: argparse.Namespace):
     from k2_rl.config import RLConfig
 
@@ -111,7 +122,7 @@ def build_config(args: argparse.Namespace):
     if args.resume is not None:
         from k2_stack.commands.training import resumed_config
 
-        return resumed_config(args.resume, RLConfig, overrides, RESUME_MAY_CHANGE)
+        return resumed_config(args.resume, RLConfig, overrides, RESUME_MAY_CHANGE | _extendable(args.resume))
     cfg = RLConfig.from_file(args.config) if args.config is not None else RLConfig()
     return dataclasses.replace(cfg, **overrides)
 
