@@ -18,9 +18,9 @@ stays short (`MAX_PACKED_LEN`); longer rows keep the row layout and its fused at
 from __future__ import annotations
 
 import torch
+from k2_train.losses import IGNORE_INDEX
 from torch import Tensor, nn
 
-IGNORE_INDEX = -100
 # Longest packed row (prompt + K responses) that is packed: the [S, S] mask per group and the
 # masked attention's S^2 work stay small next to what sharing saves (measured on CPU: 16 prompts x
 # 8 responses of ~45 + ~42 tokens, rows of ~380, 1.3x faster forward + backward than row by row).
@@ -38,7 +38,6 @@ class Packing:
         for r, g in enumerate(group_ids):
             order.setdefault(g, []).append(r)
         self.groups = list(order.values())
-        self.rows = ids.shape[0]
         lengths = [prompt_lens[rs[0]] + sum(resp_lens[r] for r in rs) for rs in self.groups]
         S = max(lengths)
         G = len(self.groups)
