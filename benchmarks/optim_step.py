@@ -73,6 +73,8 @@ def case_shapes(name: str) -> list[tuple[int, int, int]]:
     """[(count, out, in)]: the logical matrices of one case."""
     if name == "moe":
         return [(64, 256, 512), (4, 512, 512)]
+    if name == "experts":  # 16 routed experts' 128x256 matrices + two dense 256x256 (the CPU target set)
+        return [(16, 128, 256), (2, 256, 256)]
     if name == "k2moe":  # 64 of K2's 384 experts at real size (gate/up: 2048 x 7168)
         return [(64, 2048, 7168)]
     if name == "tiny":

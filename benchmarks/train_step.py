@@ -48,9 +48,19 @@ def cpu_info() -> tuple[str, list[str]]:
     return name, [f for f in FLAGS if f in flags]
 
 
-def bench_config(experts: int) -> K2Config:
-    # the tiny preset (the demo's model) with `experts` routed experts
-    return K2Config.preset("tiny", n_routed_experts=experts)
+def bench_config(experts: int, top_k: int = 6, vocab: int = 1024) -> K2Config:
+    # a tiny DeepSeek-V3 shape: the tiny preset's attention and layers, `experts` routed experts
+    # top-`top_k`, a small vocabulary (as benchmarks/model_step.py), so that the MoE and the
+    # optimizer's expert matrices, not the LM head, are what the step spends its time on
+    return K2Config.preset(
+        "tiny",
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        vocab_size=vocab,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
 
 
 class K2Side:
@@ -119,6 +129,8 @@ def k2_optimizer_time(side: K2Side) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=6, help="experts per token")
+    ap.add_argument("--vocab", type=int, default=1024, help="vocabulary (the tiny preset has 8192)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=5)
@@ -131,7 +143,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if torch.get_num_threads() == 1:
         clock = time.process_time
-    cfg = bench_config(args.experts)
+    cfg = bench_config(args.experts, args.top_k, args.vocab)
     torch.manual_seed(0)
     model = K2ForCausalLM(cfg)
     with tempfile.TemporaryDirectory() as d:

@@ -37,18 +37,33 @@ def test_bf16_update_equals_torch_muon(nesterov):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-def test_cpu_default_fp32_matches_float64_run():
-    # the CPU default (fp32 NS) against a float64 run of the same algorithm
+# Tolerances against a float64 run of the same algorithm after 2 steps at lr 0.05 (update scale
+# lr * 0.2 * sqrt(40) ~ 0.06 per step): fp32 NS rounds at ~1e-7 relative; bf16 NS at 2^-8, measured
+# up to 7.5e-4 absolute here.
+NS_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-3}
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16, None])
+def test_ns_dtypes_match_a_float64_run(ns_dtype):
+    """Each NS dtype against float64, with the tolerance of the dtype in use; None (the default)
+    is whichever the machine picks (bf16 where bf16 GEMMs are native, else fp32)."""
+    from k2_optim.muon import default_ns_dtype
+
+    used = default_ns_dtype(torch.device("cpu"), ns_dtype)
     ours, ref = _pairs([(24, 40), (40, 24)])
     ref64 = [torch.nn.Parameter(p.detach().double()) for p in ref]
-    o1 = Muon(ours, lr=0.05, weight_decay=0.1)  # default on CPU: fp32
+    same = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    o1 = Muon(ours, lr=0.05, weight_decay=0.1, ns_dtype=ns_dtype)
     o2 = Muon(ref64, lr=0.05, weight_decay=0.1, ns_dtype=torch.float64)
+    o3 = Muon(same, lr=0.05, weight_decay=0.1, ns_dtype=used)
     for step in range(2):
         _set_grads(ours, ref64, seed=7 + step)
-        o1.step()
-        o2.step()
-    for a, b in zip(ours, ref64):
-        torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-5)
+        _set_grads(same, ref64, seed=7 + step)
+        for o in (o1, o2, o3):
+            o.step()
+    for a, b, c in zip(ours, ref64, same):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=NS_TOLERANCE[used])
+        assert torch.equal(a, c)  # the default is exactly the dtype it resolves to
 
 
 def test_stacked_experts_equal_per_expert_2d_params():
@@ -143,16 +158,101 @@ def test_bad_arguments_have_clear_errors():
         Muon([torch.nn.Parameter(torch.zeros(6, 4))], ns_coefficients="nope")
 
 
-def test_default_ns_dtype_contract_and_auto(monkeypatch):
+def test_default_ns_dtype_follows_the_machine(monkeypatch):
     from k2_optim import muon
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert muon.default_ns_dtype(cuda) == torch.bfloat16
     monkeypatch.setattr(muon, "cpu_has_native_bf16", lambda: True)
-    assert muon.default_ns_dtype(cpu) == torch.float32  # the default on CPU is fp32, whatever the CPU
-    assert muon.default_ns_dtype(cpu, "auto") == torch.bfloat16  # auto: native bf16 GEMMs -> bf16
+    assert muon.default_ns_dtype(cpu) == torch.bfloat16  # native bf16 GEMMs (AMX / AVX512-BF16) -> bf16
+    assert muon.default_ns_dtype(cpu, "auto") == torch.bfloat16  # None and "auto" are one default
     monkeypatch.setattr(muon, "cpu_has_native_bf16", lambda: False)
-    assert muon.default_ns_dtype(cpu, "auto") == torch.float32  # AVX2: bf16 emulated, ~30x slower
+    assert muon.default_ns_dtype(cpu) == torch.float32  # AVX2: bf16 emulated, ~30x slower
+    assert muon.default_ns_dtype(cpu, "auto") == torch.float32
     assert muon.default_ns_dtype(cpu, torch.float64) == torch.float64
-    with pytest.raises(ValueError, match="ns_dtype"):
-        Muon([torch.nn.Parameter(torch.zeros(4, 4))], ns_dtype="fast")
+    assert muon.default_ns_dtype(cpu, "bf16") == muon.default_ns_dtype(cpu, "bfloat16") == torch.bfloat16
+    for bad in ("fast", "fp16x", "int8", 3):
+        with pytest.raises(ValueError, match="ns_dtype"):
+            Muon([torch.nn.Parameter(torch.zeros(4, 4))], ns_dtype=bad)
+
+
+@pytest.mark.parametrize("env", ["0", "1"])
+def test_native_bf16_probe_override(monkeypatch, env):
+    from k2_kernels import capabilities, cpu_has_native_bf16
+    from k2_optim.muon import default_ns_dtype
+
+    monkeypatch.setenv("K2_NATIVE_BF16", env)
+    assert cpu_has_native_bf16() is (env == "1")
+    assert capabilities().native_bf16 is (env == "1")
+    assert default_ns_dtype(torch.device("cpu")) == (torch.bfloat16 if env == "1" else torch.float32)
+    monkeypatch.setenv("K2_NATIVE_BF16", "yes")
+    with pytest.raises(ValueError, match="K2_NATIVE_BF16='yes'"):
+        cpu_has_native_bf16()
+
+
+@pytest.mark.parametrize("ns_dtype", [None, "auto", torch.float32, torch.bfloat16, "fp32"])
+def test_param_groups_store_the_ns_dtype_by_name(ns_dtype):
+    """torch.distributed.checkpoint cannot store a torch.dtype in a param group: Muon keeps names,
+    for the constructor's default and for a group's own value alike, and resolves them per step."""
+    p, q = torch.nn.Parameter(torch.randn(8, 6)), torch.nn.Parameter(torch.randn(6, 8))
+    opt = Muon([{"params": [p]}, {"params": [q], "ns_dtype": torch.float64}], ns_dtype=ns_dtype)
+    names = [g["ns_dtype"] for g in opt.state_dict()["param_groups"]]
+    want = {
+        None: "auto",
+        "auto": "auto",
+        torch.float32: "float32",
+        torch.bfloat16: "bfloat16",
+        "fp32": "float32",
+    }
+    assert names == [want[ns_dtype], "float64"]
+    assert all(isinstance(v, (str, int, float, bool, tuple, list, type(None))) for g in opt.param_groups
+               for k, v in g.items() if k != "params")  # fmt: skip
+    # a name resolves exactly like the dtype: the same update
+    p.grad, q.grad = torch.randn(8, 6), torch.randn(6, 8)
+    ref = [torch.nn.Parameter(t.detach().clone()) for t in (p, q)]
+    ref[0].grad, ref[1].grad = p.grad.clone(), q.grad.clone()
+    dt = torch.float32 if ns_dtype in ("fp32", torch.float32) else ns_dtype
+    opt_ref = Muon([{"params": [ref[0]]}, {"params": [ref[1]]}], ns_dtype=dt)
+    opt_ref.param_groups[1]["ns_dtype"] = torch.float64  # a dtype set by hand still works
+    opt.step()
+    opt_ref.step()
+    assert torch.equal(p, ref[0]) and torch.equal(q, ref[1])
+
+
+@pytest.mark.parametrize("schedule", ["keller", "polar_express"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_ns_workspace_and_chunks_change_nothing(schedule, dtype):
+    """The reused-buffer iteration is the same arithmetic (bit-identical), wide and tall, and one
+    workspace serves calls of different shapes in turn."""
+    from k2_optim.newton_schulz import NSWorkspace
+
+    sched = resolve_ns_schedule(schedule, 5)
+    ws = NSWorkspace()
+    g = torch.Generator().manual_seed(3)
+    for shape in [(6, 16, 24), (6, 24, 16), (3, 40, 24), (2, 8, 8), (6, 16, 24)]:
+        G = torch.randn(shape, generator=g)
+        plain = newton_schulz(G, sched, dtype=dtype, backend="torch")
+        reused = newton_schulz(G, sched, dtype=dtype, backend="torch", workspace=ws)
+        assert torch.equal(plain, reused), shape
+        # chunks of the batch: the matrices are independent
+        halves = torch.cat([newton_schulz(h, sched, dtype=dtype, backend="torch") for h in G.split(2)])
+        assert torch.equal(plain, halves), shape
+
+
+def test_chunked_step_equals_one_batch(monkeypatch):
+    """Muon's CPU chunks (momentum, NS and update per chunk, small pieces packed together) give the
+    same parameters as one NS call per shape."""
+    from k2_optim import muon
+
+    shapes = [(10, 12, 20), (12, 20), (12, 20), (3, 20, 12), (16, 16)]
+    runs = []
+    for chunk_bytes in (1 << 40, 12 * 20 * 2 * 3):  # everything at once; 3 bf16 matrices per chunk
+        monkeypatch.setattr(muon, "NS_CHUNK_BYTES", chunk_bytes)
+        ps, _ = _pairs(shapes, seed=5)
+        opt = Muon(ps, lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16)
+        for step in range(2):
+            _set_grads(ps, ps, seed=11 + step)
+            opt.step()
+        runs.append(ps)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

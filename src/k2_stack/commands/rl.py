@@ -59,6 +59,7 @@ FLAGS = [
     ("lr", float, "learning rate (Muon's for muon/muonclip)"),
     ("adamw_lr", float, "AdamW lr of embeddings, head and 1-D params (0 = --lr)"),
     ("tau", float, "QK-Clip threshold"),
+    ("ns_dtype", str, "Newton-Schulz dtype: auto (bf16 where bf16 GEMMs are native, else fp32), fp32, bf16"),
     ("eval_every", int, "held-out greedy accuracy every N iterations (0 = never)"),
     ("eval_prompts", int, "held-out prompts to evaluate (0 = all)"),
     ("kl_every", int, "log the KL estimate (one more forward) every N iterations (0 = never)"),

@@ -3,7 +3,7 @@ with a plain PyTorch ground truth (`k2_kernels.reference`)."""
 
 from k2_kernels import ops, reference
 from k2_kernels._lib import available, info
-from k2_kernels.dispatch import capabilities, preferred
+from k2_kernels.dispatch import capabilities, cpu_has_native_bf16, preferred
 
 __version__ = "0.1.0"
-__all__ = ["available", "capabilities", "info", "ops", "preferred", "reference"]
+__all__ = ["available", "capabilities", "cpu_has_native_bf16", "info", "ops", "preferred", "reference"]

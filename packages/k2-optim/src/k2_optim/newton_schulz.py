@@ -38,6 +38,7 @@ __all__ = [
     "KELLER_QUINTIC",
     "POLAR_EXPRESS",
     "NSSchedule",
+    "NSWorkspace",
     "resolve_ns_schedule",
     "newton_schulz",
 ]
@@ -108,12 +109,36 @@ def resolve_ns_schedule(
     return NSSchedule(tuple(triples[min(i, len(triples) - 1)] for i in range(ns_steps)))  # type: ignore[misc]
 
 
+class NSWorkspace:
+    """Reusable buffers for repeated same-shape NS calls on CPU (an optimizer's chunks): the
+    iteration's X, A and P land in memory already mapped and cached instead of fresh allocations
+    (measured ~15% of a bf16 chunk's time on 2 cores). A result computed with a workspace is one
+    of its buffers: valid until the next call with the same workspace."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        key = (name, like.dtype, like.device)
+        buf = self._buffers.get(key)
+        numel = 1
+        for n in shape:
+            numel *= n
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf[:numel].view(shape)
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
 def newton_schulz(
     G: Tensor,
     schedule: NSSchedule | None = None,
     dtype: torch.dtype = torch.float32,
     eps: float = 1e-7,
     backend: str = "auto",
+    workspace: NSWorkspace | None = None,
 ) -> Tensor:
     """Orthogonalise every trailing [out, in] matrix of `G` (any leading batch shape).
 
@@ -121,7 +146,9 @@ def newton_schulz(
     here (even one already in `dtype`) is left untouched. Returns a tensor of `dtype`
     with G's shape. `backend`: "auto" (the k2-kernels kernel where one serves the device and
     dtype, except CPU bf16), "kernel" (always the k2-kernels op, which falls back to its own
-    reference elsewhere) or "torch" (the batched PyTorch iteration here).
+    reference elsewhere) or "torch" (the batched PyTorch iteration here). `workspace`: buffers
+    the PyTorch iteration reuses across calls (the result is then valid until the next call
+    with that workspace); the arithmetic is the same with or without.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz expects [..., out, in] matrices, got shape {tuple(G.shape)}")
@@ -129,20 +156,36 @@ def newton_schulz(
         raise ValueError(f"newton_schulz: backend must be 'auto', 'kernel' or 'torch', got {backend!r}")
     schedule = schedule or resolve_ns_schedule("keller", 5)
     out_dim, in_dim = G.shape[-2], G.shape[-1]
-    X_BMN = G.reshape(-1, out_dim, in_dim).to(dtype)
+    G_BMN = G.reshape(-1, out_dim, in_dim)
     use_kernel = backend == "kernel" or (
-        backend == "auto" and _kernel_preferred("newton_schulz", X_BMN.device, X_BMN.dtype)
+        backend == "auto" and _kernel_preferred("newton_schulz", G.device, dtype)
     )
+    if use_kernel or workspace is None:
+        X_BMN = G_BMN.to(dtype)
+    else:  # the conversion lands in a reused buffer
+        X_BMN = workspace.get("in", tuple(G_BMN.shape), torch.empty(0, dtype=dtype, device=G.device))
+        X_BMN.copy_(G_BMN)
     transposed = out_dim > in_dim
     if transposed and not use_kernel:  # iterate on the smaller Gram matrix (the kernel does it itself)
         X_BMN = X_BMN.mT
     norm_B11 = torch.linalg.vector_norm(X_BMN, dim=(-2, -1), keepdim=True)
     if schedule.eps_mode == "add":
-        X_BMN = X_BMN / (norm_B11 * schedule.norm_scale + eps)
+        denom_B11 = norm_B11 * schedule.norm_scale + eps
     else:
-        X_BMN = X_BMN / (norm_B11 * schedule.norm_scale).clamp(min=eps)
+        denom_B11 = (norm_B11 * schedule.norm_scale).clamp(min=eps)
     if use_kernel:
-        return _ns_kernel(X_BMN, schedule.coeffs).reshape(G.shape)
+        return _ns_kernel(X_BMN / denom_B11, schedule.coeffs).reshape(G.shape)
+    if workspace is None:
+        X_BMN = X_BMN / denom_B11
+        X_BMN = _iterate(X_BMN, schedule)
+    else:
+        X_BMN = _iterate_in(X_BMN.div_(denom_B11), schedule, workspace)
+    if transposed:
+        X_BMN = X_BMN.mT
+    return X_BMN.reshape(G.shape)
+
+
+def _iterate(X_BMN: Tensor, schedule: NSSchedule) -> Tensor:
     fused = X_BMN.dtype in (torch.bfloat16, torch.float16)
     for a, b, c in schedule.coeffs:
         A_BMM = torch.bmm(X_BMN, X_BMN.mT)
@@ -156,6 +199,24 @@ def newton_schulz(
             # by in-place scaling (one pass over each fresh product, no extra allocation)
             P_BMM = torch.bmm(A_BMM, A_BMM).mul_(c).add_(A_BMM, alpha=b)
             X_BMN = torch.bmm(P_BMM, X_BMN).add_(X_BMN, alpha=a)
-    if transposed:
-        X_BMN = X_BMN.mT
-    return X_BMN.reshape(G.shape)
+    return X_BMN
+
+
+def _iterate_in(X_BMN: Tensor, schedule: NSSchedule, ws: NSWorkspace) -> Tensor:
+    """`_iterate` with every product written into the workspace's buffers (same ops, same rounding)."""
+    B, M, N = X_BMN.shape
+    A_BMM, P_BMM = ws.get("A", (B, M, M), X_BMN), ws.get("P", (B, M, M), X_BMN)
+    # X ping-pongs between two contiguous buffers, as the fresh products of `_iterate` are
+    X_pair = [ws.get(k, (B, M, N), X_BMN) for k in ("X0", "X1")]
+    fused = X_BMN.dtype in (torch.bfloat16, torch.float16)
+    for i, (a, b, c) in enumerate(schedule.coeffs):
+        X_next = X_pair[i % 2]
+        torch.bmm(X_BMN, X_BMN.mT, out=A_BMM)
+        if fused:
+            torch.baddbmm(A_BMM, A_BMM, A_BMM, beta=b, alpha=c, out=P_BMM)
+            torch.baddbmm(X_BMN, P_BMM, X_BMN, beta=a, out=X_next)
+        else:
+            torch.bmm(A_BMM, A_BMM, out=P_BMM).mul_(c).add_(A_BMM, alpha=b)
+            torch.bmm(P_BMM, X_BMN, out=X_next).add_(X_BMN, alpha=a)
+        X_BMN = X_next
+    return X_BMN

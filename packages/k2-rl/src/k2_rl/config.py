@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from k2_train.config import RunConfig
+from k2_train.config import NS_DTYPES, RunConfig
 
 LOSSES = ("k15", "grpo")
 ROLLOUTS = ("process", "inprocess")
@@ -70,6 +70,9 @@ class RLConfig(RunConfig):
     adamw_lr: float = 5e-5
     weight_decay: float = 0.0
     tau: float = 30.0  # QK-Clip
+    # Newton-Schulz dtype: "auto" = bf16 where bf16 GEMMs are native (CUDA, AVX512-BF16 / AMX CPUs),
+    # fp32 elsewhere; "fp32" makes updates stable across process layouts and resumes
+    ns_dtype: str = "auto"
     grad_clip: float = 1.0
     bias_update_speed: float = 1e-3
     # evaluation, state, run
@@ -125,6 +128,7 @@ class RLConfig(RunConfig):
         )
         need(self.optimizer in ("muonclip", "muon", "adamw"), "optimizer", "muonclip, muon or adamw")
         need(self.lr > 0, "lr", "> 0")
+        need(self.ns_dtype in NS_DTYPES, "ns_dtype", f"one of {', '.join(NS_DTYPES)}")
         need(self.eval_every >= 0 and self.save_every >= 0 and self.stop_at >= 0, "eval_every", "counts >= 0")
         need(self.ep >= 1, "ep", ">= 1")
         need(self.kl_every >= 0, "kl_every", ">= 0")

@@ -206,7 +206,7 @@ class _Loop:
 
     # -------------------------------------------------------------- setup
     def _setup(self) -> None:
-        from k2_train.builders import build_model, build_optimizer
+        from k2_train.builders import build_model, build_optimizer, describe_ns_dtype
         from k2_train.metrics import JSONLMetrics
         from k2_train.state import ModelState, OptimizerState, RNGState, TrainState, latest_state
         from k2_train.trainer import Trainer, TrainerConfig
@@ -296,6 +296,10 @@ class _Loop:
             cfg.validate_layout(info.world_size, self.model.config.n_routed_experts)
             parallelize(self.model, data_parallel=True, ep=cfg.ep)
         self.optimizer = build_optimizer(cfg, self.model)
+        self.log(
+            f"k2 rl: trainer on {self.device} x {info.world_size} process(es); {cfg.optimizer} "
+            f"(lr {cfg.lr:g}); Newton-Schulz: {describe_ns_dtype(cfg, self.device)}"
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _s: 1.0)
         self.loss = (
             KimiK15Loss(cfg.rl_tau, cfg.ptx_coef) if cfg.loss == "k15" else GRPOClippedLoss(cfg.clip_eps)

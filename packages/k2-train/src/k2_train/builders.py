@@ -103,6 +103,22 @@ def describe_attention(model: K2ForCausalLM, cfg: PretrainConfig, device: torch.
     return cfg.attention
 
 
+def describe_ns_dtype(cfg: PretrainConfig, device: torch.device) -> str:
+    """The Newton-Schulz dtype the run will use and why, for the start-up line."""
+    from k2_kernels import cpu_has_native_bf16
+    from k2_optim.muon import default_ns_dtype
+
+    if cfg.optimizer == "adamw":
+        return "none (AdamW)"
+    chosen = str(default_ns_dtype(device, cfg.ns_dtype)).removeprefix("torch.")
+    if cfg.ns_dtype != "auto":
+        return f"{chosen} (--ns-dtype {cfg.ns_dtype})"
+    if device.type == "cpu":
+        why = "native bf16 GEMMs" if cpu_has_native_bf16() else "bf16 emulated on this CPU"
+        return f"{chosen} (auto: {why})"
+    return f"{chosen} (auto: {device.type})"
+
+
 def build_optimizer(cfg: PretrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     if cfg.optimizer == "adamw":
         decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -113,15 +129,12 @@ def build_optimizer(cfg: PretrainConfig, model: nn.Module) -> torch.optim.Optimi
             betas=(0.9, 0.95),
         )
     # Muon for hidden matrices, AdamW for embeddings / head / 1-D; QK-Clip only for "muonclip".
-    ns_dtype = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16}[
-        getattr(cfg, "ns_dtype", "auto")
-    ]
     opt = MuonClip(
         model,
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         tau=cfg.tau if cfg.optimizer == "muonclip" else None,
-        ns_dtype=ns_dtype,
+        ns_dtype=cfg.ns_dtype,  # "auto" / "fp32" / "bf16": Muon takes the names
     )
     if cfg.adamw_lr:
         for group in opt.param_groups:
@@ -144,6 +157,7 @@ __all__ = [
     "build_optimizer",
     "build_schedule",
     "describe_attention",
+    "describe_ns_dtype",
     "load_init_weights",
     "model_config",
     "resolve_device",

@@ -21,7 +21,14 @@ import torch
 from k2_model.parallelize import parallelize
 
 from k2_train import distributed as dd
-from k2_train.builders import build_model, build_optimizer, build_schedule, describe_attention, resolve_device
+from k2_train.builders import (
+    build_model,
+    build_optimizer,
+    build_schedule,
+    describe_attention,
+    describe_ns_dtype,
+    resolve_device,
+)
 from k2_train.config import PretrainConfig
 from k2_train.data import build_datasets, build_loader, mixture_sources, prepare_tokenized
 from k2_train.losses import Loss, NextTokenLoss
@@ -174,6 +181,7 @@ def _run(
         f"run dir {run_dir}"
         + (f"; resuming after step {trainer.step}" if resume else "")
         + f"; attention: {describe_attention(model, cfg, device)}"
+        + f"; Newton-Schulz: {describe_ns_dtype(cfg, device)}"
     )
 
     def eval_batches():
