@@ -21,6 +21,20 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine() or "unknown CPU"
 
 
+# The flags that decide a CPU's dtypes and kernels (bf16 GEMMs native with AVX512-BF16 or AMX).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_flags() -> list[str]:
+    """Which of CPU_FLAGS /proc/cpuinfo lists (empty where there is no /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return []
+    return [f for f in CPU_FLAGS if f in flags]
+
+
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 

@@ -1,6 +1,6 @@
 """Muon optimizer step and Newton-Schulz throughput: k2_optim vs its anchors, in one run.
 
-    .venv/bin/python benchmarks/optim_step.py [--repeats 3] [--skip-torch-bf16] [--cases tiny,moe]
+    .venv/bin/python benchmarks/optim_step.py [--repeats 7] [--skip-torch-bf16] [--cases experts,tiny,moe]
     python -P benchmarks/optim_step.py --device cuda      # GPU rows only (scripts/gpu_check.sh)
 
 Cases (the parameter sets Muon sees):
@@ -9,17 +9,24 @@ Cases (the parameter sets Muon sees):
   moe   one K2-shaped MoE layer scaled down: 64 experts of 256x512 plus four 512x512 attention
         matrices (torch: 68 2-D params).
 
-Rows (ratio = ours / anchor, lower is better; targets from issue 3):
-  (1) Muon step, k2_optim.Muon with its device default (fp32 NS on CPU, batched by shape)
-      vs torch.optim.Muon as shipped (bf16 NS, one matrix at a time)          target <= 0.10
+Rows (ratio = ours / anchor, lower is better; the target column applies to this machine's kind):
+  (1) Muon step, k2_optim.Muon with its defaults (the NS dtype the machine runs fastest: bf16 where
+      bf16 GEMMs are native, fp32 elsewhere) vs torch.optim.Muon as shipped (bf16 NS, one matrix at
+      a time). Target where bf16 is native: <= 0.5. On AVX2 torch's bf16 NS is emulated and loses
+      by itself: informative only.
+  (1a) the same Muon step vs a plain fp32 Muon (the same momentum and update, NS written plainly
+      with batched fp32 torch.bmm per shape). Target where bf16 is emulated (AVX2): <= 0.85.
+  (1b) k2_optim.Muon with ns_dtype=torch.float32 vs torch.optim.Muon, for comparison.
   (2) NS only, equal precision (fp32): k2_optim.newton_schulz, which runs the k2-kernels CPU
       kernel (ssyrk for X X^T and A A, polynomial fused into the products, OpenMP)
       vs a plain PyTorch batched NS (matmul, then elementwise a/b/c)          target <= 0.85
       (2a) the same with k2_optim's batched PyTorch path (backend="torch"), for comparison
-      (2b) bf16 (the PyTorch path; informative, fast only on CPUs with AVX512-BF16/AMX)
+      (2b) bf16 (the PyTorch path; fast only on CPUs with AVX512-BF16/AMX)
   (3) with --device cuda: bf16 NS TFLOP/s, ours (the k2-kernels CUDA kernel) vs the plain
       torch.matmul NS; (3a) k2_optim's batched PyTorch path (cuBLAS) vs the same anchor; and the
       Muon step vs torch.optim.Muon on the GPU; case k2moe adds 64 real-size K2 experts (2048x7168).
+Cases: experts (16 experts of 128x256 + two 256x256: the set the CPU targets are stated on), tiny,
+moe, k2moe (cuda).
 Timings: best of --repeats, ours and anchor interleaved (the 2-core CI machine is shared);
 with --threads 1 the clock is the process CPU time, which other jobs on the cores do not inflate.
 """
@@ -27,12 +34,11 @@ with --threads 1 the clock is the process CPU time, which other jobs on the core
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import time
 from collections.abc import Callable
 
 import torch
+from bench_common import cpu_flags, machine
 from k2_optim import Muon, newton_schulz, resolve_ns_schedule
 from k2_optim.muon import cpu_has_native_bf16, default_ns_dtype
 
@@ -121,29 +127,66 @@ def interleaved(fns: list[Callable[[], object]], repeats: int, sync=lambda: None
     return best
 
 
-def muon_step_case(shapes, repeats: int, skip_torch: bool) -> tuple[float, float, float | None]:
-    """(ours with the CPU default fp32 NS, ours with ns_dtype="auto", torch.optim.Muon) step seconds."""
+class PlainMuon:
+    """The anchor of row (1a): Muon as one would write it plainly, per shape: torch.optim.Muon's
+    momentum (EMA + nesterov) and update, NS = `plain_batched_ns` in fp32 over the stacked matrices."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float = 0.02, weight_decay: float = 0.1) -> None:
+        self.params, self.lr, self.wd, self.mu = params, lr, weight_decay, 0.95
+        self.bufs = [torch.zeros_like(p) for p in params]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, buf in zip(self.params, self.bufs):
+            buf.lerp_(p.grad, 1 - self.mu)
+            u = p.grad.lerp(buf, self.mu)
+            O, I = p.shape[-2:]
+            upd = plain_batched_ns(u.reshape(-1, O, I))
+            if O > I:
+                upd = upd.mT
+            p.mul_(1 - self.lr * self.wd)
+            p.add_(upd.reshape(p.shape), alpha=-self.lr * 0.2 * max(O, I) ** 0.5)
+
+
+def muon_step_case(shapes, repeats: int, skip_torch: bool) -> dict[str, float | None]:
+    """Step seconds: k2's default, k2 with fp32 NS, the plain fp32 Muon, torch.optim.Muon."""
     g = torch.Generator().manual_seed(0)
-    ours = [
-        torch.nn.Parameter(torch.randn(n, r, c, generator=g) if n > 1 else torch.randn(r, c, generator=g))
-        for n, r, c in shapes
-    ]
-    for p in ours:
-        p.grad = torch.randn(p.shape, generator=g)
+
+    def params() -> list[torch.nn.Parameter]:
+        gen = torch.Generator().manual_seed(0)
+        ps = [
+            torch.nn.Parameter(
+                torch.randn(n, r, c, generator=gen) if n > 1 else torch.randn(r, c, generator=gen)
+            )
+            for n, r, c in shapes
+        ]
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen)
+        return ps
+
+    ours = params()
     opt = Muon(ours, lr=0.02, weight_decay=0.1)
-    opt_auto = Muon(ours, lr=0.02, weight_decay=0.1, ns_dtype="auto")
-    t_ours, t_auto = interleaved([opt.step, opt_auto.step], repeats)
-    if skip_torch:
-        return t_ours, t_auto, None
-    ref = [
-        torch.nn.Parameter(m.detach().clone()) for p in ours for m in (p.unbind(0) if p.ndim == 3 else [p])
-    ]
-    for p in ref:
-        p.grad = torch.randn(p.shape, generator=g)
-    ropt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
-    ropt.step()  # warm-up (state allocation)
-    t_ref = timeit(ropt.step)  # one timed step: bf16 NS on a CPU without bf16 GEMMs takes tens of seconds
-    return t_ours, t_auto, t_ref
+    opt_fp32 = Muon(params(), lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
+    plain = PlainMuon(params())
+    fns = [opt.step, opt_fp32.step, plain.step]
+    ropt = None
+    if not skip_torch:
+        ref = [
+            torch.nn.Parameter(m.detach().clone())
+            for p in ours
+            for m in (p.unbind(0) if p.ndim == 3 else [p])
+        ]
+        for p in ref:
+            p.grad = torch.randn(p.shape, generator=g)
+        ropt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+        if cpu_has_native_bf16():
+            fns.append(ropt.step)  # native bf16: as fast as ours, so timed like ours
+    times = interleaved(fns, repeats)
+    t_ref = times[3] if len(times) > 3 else None
+    if ropt is not None and t_ref is None:
+        ropt.step()  # warm-up (state allocation)
+        t_ref = timeit(ropt.step)  # one timed step: emulated bf16 NS takes tens of seconds
+    return {"default": times[0], "fp32": times[1], "plain": times[2], "torch": t_ref}
 
 
 def ns_case(
@@ -225,9 +268,11 @@ def cuda_rows(cases: list[str], repeats: int) -> list[tuple]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument(
-        "--cases", default=None, help="comma list of tiny, moe, k2moe (default: tiny,moe; +k2moe on cuda)"
+        "--cases",
+        default=None,
+        help="comma list of experts, tiny, moe, k2moe (default: experts,tiny,moe; cuda: tiny,moe,k2moe)",
     )
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: GPU rows only")
     ap.add_argument("--skip-torch-bf16", action="store_true", help="skip row (1)'s torch.optim.Muon anchor")
@@ -245,37 +290,46 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if torch.get_num_threads() == 1:
         CLOCK = time.process_time
-    cpu = platform.processor() or platform.machine()
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    default_dt = str(default_ns_dtype(torch.device("cpu"))).replace("torch.", "")
     print(
-        f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu}, {os.cpu_count()} cpus, "
-        f"native bf16: {cpu_has_native_bf16()}, ns_dtype='auto' -> {default_ns_dtype(torch.device('cpu'), 'auto')}, "
-        f"load average at start: {load:.1f}, clock: {CLOCK.__name__}"
+        f"# {machine(load=True)}; flags: {' '.join(cpu_flags()) or '-'}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, clock: {CLOCK.__name__}; native bf16: {cpu_has_native_bf16()} "
+        f"-> k2_optim.Muon's default NS dtype: {default_dt}"
     )
     rows = []
-    for case in (args.cases or "tiny,moe").split(","):
+    for case in (args.cases or "experts,tiny,moe").split(","):
         shapes = case_shapes(case)
         nmat = sum(n for n, _, _ in shapes)
-        t_ours, t_auto, t_ref = muon_step_case(shapes, args.repeats, args.skip_torch_bf16)
-        auto_dt = str(default_ns_dtype(torch.device("cpu"), "auto")).replace("torch.", "")
+        t = muon_step_case(shapes, args.repeats, args.skip_torch_bf16)
+        native = cpu_has_native_bf16()
         rows.append(
             (
                 case,
-                f"(1) Muon step, {nmat} matrices, default (fp32 NS)",
+                f"(1) Muon step, {nmat} matrices, defaults ({default_dt} NS)",
                 "torch.optim.Muon (bf16 NS)",
-                t_ours,
-                t_ref,
-                0.10,
+                t["default"],
+                t["torch"],
+                "0.5" if native else "- (bf16 emulated)",
             )
         )
         rows.append(
             (
                 case,
-                f"(1a) Muon step, ns_dtype='auto' ({auto_dt} NS)",
+                f"(1a) Muon step, {nmat} matrices, defaults ({default_dt} NS)",
+                "plain fp32 Muon (torch.bmm NS)",
+                t["default"],
+                t["plain"],
+                "0.85" if not native else "-",
+            )
+        )
+        rows.append(
+            (
+                case,
+                "(1b) Muon step, ns_dtype=float32",
                 "torch.optim.Muon (bf16 NS)",
-                t_auto,
-                t_ref,
-                0.10,
+                t["fp32"],
+                t["torch"],
+                "-",
             )
         )
         t_ns, t_plain = ns_case(shapes, args.repeats, "cpu", torch.float32)
@@ -286,25 +340,27 @@ def main() -> None:
                 "plain batched NS fp32",
                 t_ns,
                 t_plain,
-                0.85,
+                "0.85",
             )
         )
         t_ns, t_plain = ns_case(shapes, args.repeats, "cpu", torch.float32, backend="torch")
         rows.append(
-            (case, "(2a) NS fp32, k2_optim PyTorch path", "plain batched NS fp32", t_ns, t_plain, 0.85)
+            (case, "(2a) NS fp32, k2_optim PyTorch path", "plain batched NS fp32", t_ns, t_plain, "-")
         )
         t_ns, t_plain = ns_case(shapes, args.repeats, "cpu", torch.bfloat16)
-        rows.append((case, "(2b) NS bf16, batched", "plain batched NS bf16", t_ns, t_plain, 0.85))
+        rows.append((case, "(2b) NS bf16, batched", "plain batched NS bf16", t_ns, t_plain, "-"))
     print_rows(rows)
 
 
 def print_rows(rows: list[tuple]) -> None:
-    print("| case | measurement | ours (s) | anchor | anchor (s) | ratio | target |")
+    print("| case | measurement | ours (ms) | anchor | anchor (ms) | ratio | target |")
     print("|---|---|---|---|---|---|---|")
     for case, what, anchor, t_o, t_a, target in rows:
         ratio = f"{t_o / t_a:.3f}" if t_a else "n/a"
-        anchor_s = f"{t_a:.3f}" if t_a else "skipped"
-        print(f"| {case} | {what} | {t_o:.3f} | {anchor} | {anchor_s} | {ratio} | <= {target} |")
+        anchor_s = f"{t_a * 1e3:.1f}" if t_a else "skipped"
+        target = target if isinstance(target, str) else f"{target}"
+        target = f"<= {target}" if target[:1].isdigit() else target
+        print(f"| {case} | {what} | {t_o * 1e3:.1f} | {anchor} | {anchor_s} | {ratio} | {target} |")
 
 
 if __name__ == "__main__":

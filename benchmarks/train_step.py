@@ -170,11 +170,11 @@ def main() -> None:
     print(f"machine: {cpu}, {os.cpu_count()} cores; flags: {' '.join(flags) or '-'}")
     print(
         f"torch {torch.__version__}, threads {torch.get_num_threads()} "
-        f"({'process CPU time' if clock is time.process_time else 'wall time'}); k2 NS dtype (auto): "
-        f"{default_ns_dtype(torch.device('cpu'))} (native bf16 GEMM: {cpu_has_native_bf16()})"
+        f"({'process CPU time' if clock is time.process_time else 'wall time'}); k2 NS dtype (library default): "
+        f"{str(default_ns_dtype(torch.device('cpu'))).replace('torch.', '')} (native bf16 GEMM: {cpu_has_native_bf16()})"
     )
     print(
-        f"tiny preset with {cfg.n_routed_experts} routed experts (top-{cfg.num_experts_per_tok}), "
+        f"tiny preset with {cfg.n_routed_experts} routed experts (top-{cfg.num_experts_per_tok}), vocab {cfg.vocab_size}, "
         f"batch {args.batch} x {args.seq} tokens, fp32; median of {args.steps} steps\n"
     )
     print("| step (fwd + bwd + clip + optimizer) | s/step | optimizer share | vs anchor |")

@@ -7,8 +7,8 @@
 # 2. builds and installs k2-kernels with its CUDA kernels (16 cores) and checks the sm_90a cubin;
 # 3. installs the pure-Python packages (pip --no-deps --no-build-isolation when hatchling is
 #    importable, else their src/ dirs go on PYTHONPATH);
-# 4. runs `python -m k2_kernels.selfcheck`, every `cuda`-marked test (pytest -m cuda), every
-#    benchmarks/*.py that accepts --device, then the self-check under compute-sanitizer
+# 4. runs `python -m k2_kernels.selfcheck`, every `cuda`-marked test (pytest -m cuda), a 2-iteration
+#    `k2 rl --device cuda`, every benchmarks/*.py that accepts --device, then the self-check under compute-sanitizer
 #    (memcheck, racecheck) while time is left;
 # 5. prints a summary. Logs go to $OUT (or ./gpu-check-out): at most 6 files, to fit what comes back.
 # Whole run budgeted under 8 minutes. Exit status: 0 when every step passed.
@@ -115,6 +115,16 @@ if [ "${K2_GPU_CHECK_ALLOW_CPU:-0}" != 1 ] && ! grep -qE "[0-9]+ passed" "$OUT/p
   record "cuda tests actually ran" FAIL 0  # on a GPU machine, all-skipped means something is off
 fi
 
+# ---- a short k2 rl run on the GPU (trainer and rollout worker on cuda, weights synced by k2-ckpt) --
+if [ "${K2_GPU_CHECK_ALLOW_CPU:-0}" = 1 ]; then
+  record "k2 rl --device cuda (2 iterations)" skip 0
+else
+  run_step "k2 rl --device cuda (2 iterations)" "$OUT/pytest.log" 120 \
+    "$PY" -m k2_stack rl --device cuda --iterations 2 --prompts-per-iteration 8 --samples-per-prompt 4 \
+    --max-response-tokens 32 --eval-every 2 --eval-prompts 16 --save-every 0 --out /tmp/k2-gpu-rl
+  grep -E "^rl iteration|Newton-Schulz|k2 rl:" "$OUT/pytest.log" | tail -n 6 || true
+fi
+
 # ---- GPU benchmarks ---------------------------------------------------------------------------
 shopt -s nullglob
 BENCHES=()
@@ -149,6 +159,7 @@ fi
   echo '```'
   echo
   echo "pytest: $(grep -E '[0-9]+ (passed|failed|skipped|error|deselected)' "$OUT/pytest.log" | tail -n 1 || echo 'no result line')"
+  if [ -f "$OUT/pytest.log" ]; then echo; echo '```'; grep -E "^rl iteration|Newton-Schulz" "$OUT/pytest.log" || true; echo '```'; fi
   if [ -f "$OUT/bench.log" ]; then echo; echo '```'; grep -E '^\|' "$OUT/bench.log" || true; echo '```'; fi
   if [ "$FAILED" -eq 0 ]; then echo "RESULT: all steps passed"; else echo "RESULT: some steps FAILED (see logs in $OUT)"; fi
 } | tee "$OUT/summary.md"
