@@ -80,6 +80,7 @@ def completed_chunks(
     return done
 
 
+@pytest.mark.slow  # kills and restarts a k2 data rephrase process
 def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
     docs = make_docs()
     path = tmp_path / "docs.jsonl"
