@@ -57,6 +57,7 @@ from k2_train import distributed as dd
 
 from k2_rl.config import RLConfig
 from k2_rl.loss import GRPOClippedLoss, KimiK15Loss, sequence_logprobs, token_logprobs
+from k2_rl.rewards.base import budget_penalty
 from k2_rl.rollout import Rollout, RolloutWorker, Sample, derive_seed
 
 METRICS = "metrics.jsonl"
@@ -584,7 +585,8 @@ class _Loop:
             metrics.update({f"{name}_{k}": v for k, v in scores.stats.items()})
         raw = [r for g in grouped for r in g]
         truncated = [s.finish_reason == "length" for g in samples for s in g]
-        shaped = [r - (self.cfg.truncation_penalty if cut else 0.0) for r, cut in zip(raw, truncated)]
+        penalty = self.cfg.truncation_penalty
+        shaped = [budget_penalty(r, cut, penalty) for r, cut in zip(raw, truncated)]
         return _Rewards(shaped, raw, errors, texts, grouped, metrics)
 
     def _refine_critic(self, tasks: list[dict], scored: _Rewards, iteration: int) -> dict[str, Any]:
