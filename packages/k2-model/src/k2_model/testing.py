@@ -25,7 +25,6 @@ SMALL_OVERRIDES: dict[str, int] = {
 }
 
 
-
 def tiny_config(**overrides: Any):
     """The tiny preset at test size (SMALL_OVERRIDES), with `overrides` on top."""
     from k2_model.config import K2Config
