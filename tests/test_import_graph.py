@@ -118,3 +118,19 @@ def test_the_scanner_sees_function_level_imports(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def g():\n    from k2_model.model import K2ForCausalLM\n")
     assert "k2_model.model" in _imports("k2_model.checkpoint", f)
+
+
+def test_k2_data_pipelines_do_not_reach_into_each_other():
+    """rephrase and agentic share only k2-data's common modules (format, shards, client, embedder,
+    loopback server); the common modules import neither pipeline."""
+    pipelines = ("k2_data.rephrase", "k2_data.agentic")
+    wrong = []
+    for name, targets in GRAPH.items():
+        if not name.startswith("k2_data"):
+            continue
+        own = next((p for p in pipelines if name == p or name.startswith(p + ".")), None)
+        for t in targets:
+            other = next((p for p in pipelines if t == p or t.startswith(p + ".")), None)
+            if other is not None and other != own and name != "k2_data":
+                wrong.append(f"{name} imports {t}")
+    assert wrong == []

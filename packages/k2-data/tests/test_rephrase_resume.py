@@ -16,9 +16,9 @@ import pytest
 
 pytest.importorskip("httpx")
 
+from k2_data.loopback import LoopbackServer, Reply
 from k2_data.rephrase import chunk_text, read_rows
 from k2_data.rephrase import prompts as P
-from k2_data.rephrase.loopback import LoopbackServer, Reply
 from k2_data.rephrase.pipeline import STATE_DIR, iter_journal
 
 N_DOCS, ROUNDS, CHUNK_TOKENS = 24, 2, 32

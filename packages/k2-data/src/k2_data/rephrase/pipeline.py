@@ -578,7 +578,7 @@ def rephrase(
     _check_run_dir(out, config, shards, overwrite)
     embedder = None
     if config.fidelity.min_similarity > 0:
-        from k2_data.rephrase.embed import load_embedder
+        from k2_data.embed import load_embedder
 
         embedder = load_embedder()
     endpoint = _Endpoint(base_url, api_key, Path(cache) if cache else None, timeout_s, max_retries, backoff_s)
