@@ -5,14 +5,51 @@
   once if `k2_kernels._C` is missing, and a test skipped because a compiled kernel is unavailable
   fails instead. Otherwise a broken kernel build would turn the kernel tests into skips and the
   ops would fall back to the reference, and CI would stay green.
+- With K2_REQUIRE_TEST_DEPS=1 (CI sets it too), a test (or module) skipped by
+  `pytest.importorskip` of a dependency that a package's `test` extra declares fails instead: an
+  install regression must not turn tests into skips. Optional, benchmark-only imports (trl) still skip.
 """
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 
 REQUIRE_KERNELS = os.environ.get("K2_REQUIRE_KERNELS", "0") == "1"
 KERNEL_SKIP_MARKERS = ("k2_kernels._C", "compiled k2_kernels", "compiled rms_norm kernel", "kernel not built")
+REQUIRE_TEST_DEPS = os.environ.get("K2_REQUIRE_TEST_DEPS", "0") == "1"
+_IMPORT_NAMES = {"scikit_learn": "sklearn"}  # distributions whose module is named otherwise
+
+
+def declared_test_modules(root: Path = Path(__file__).parent) -> set[str]:
+    """Top-level module names of every `test` extra in the workspace's pyprojects (and k2's own)."""
+    import tomllib
+
+    mods = {"k2_stack", "k2_kernels", "k2_model", "k2_optim", "k2_data", "k2_train", "k2_ckpt", "k2_rl"}
+    for pp in [root / "pyproject.toml", *sorted(root.glob("packages/*/pyproject.toml"))]:
+        extras = tomllib.loads(pp.read_text()).get("project", {}).get("optional-dependencies", {})
+        for req in extras.get("test", []):
+            dist = re.split(r"[\[<>=!~; ]", req, maxsplit=1)[0].lower().replace("-", "_").replace(".", "_")
+            mods.add(_IMPORT_NAMES.get(dist, dist))
+    return mods
+
+
+def _missing_declared_dep(reason: str) -> str | None:
+    m = re.search(r"could not import '([\w.]+)'", reason)
+    if m and m.group(1).split(".")[0] in _declared():
+        return m.group(1)
+    return None
+
+
+_DECLARED: set[str] | None = None
+
+
+def _declared() -> set[str]:
+    global _DECLARED
+    if _DECLARED is None:
+        _DECLARED = declared_test_modules()
+    return _DECLARED
 
 
 def pytest_sessionstart(session):
@@ -61,8 +98,28 @@ def torchrun():
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if REQUIRE_KERNELS and report.skipped and "cuda" not in item.keywords:
+    if not report.skipped or "cuda" in item.keywords:
+        return
+    reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if REQUIRE_KERNELS and any(m in reason for m in KERNEL_SKIP_MARKERS):
+        report.outcome = "failed"
+        report.longrepr = f"K2_REQUIRE_KERNELS=1: skipped for a missing compiled kernel ({reason})"
+    elif REQUIRE_TEST_DEPS and (dep := _missing_declared_dep(reason)):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"K2_REQUIRE_TEST_DEPS=1: {dep!r} is a declared test dependency, not installed ({reason})"
+        )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A module-level importorskip of a declared test dependency fails collection under CI."""
+    outcome = yield
+    report = outcome.get_result()
+    if REQUIRE_TEST_DEPS and report.skipped:
         reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        if any(m in reason for m in KERNEL_SKIP_MARKERS):
+        if dep := _missing_declared_dep(reason):
             report.outcome = "failed"
-            report.longrepr = f"K2_REQUIRE_KERNELS=1: skipped for a missing compiled kernel ({reason})"
+            report.longrepr = (
+                f"K2_REQUIRE_TEST_DEPS=1: {dep!r} is a declared test dependency, not installed ({reason})"
+            )

@@ -43,7 +43,7 @@ def synthesize(args: argparse.Namespace, data: Path) -> dict:
     if not (data / "summary.json").is_file():
         from k2_data.agentic.cli import main as agentic
         from k2_data.agentic.scripted import ScriptedTeacher
-        from k2_data.rephrase.loopback import LoopbackServer
+        from k2_data.loopback import LoopbackServer
 
         with LoopbackServer(ScriptedTeacher(follow_requests=True)) as teacher:
             argv = ["--out", str(data), "--base-url", teacher.base_url, "--model", "teacher"]

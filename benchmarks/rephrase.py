@@ -3,7 +3,7 @@
     python benchmarks/rephrase.py                      # 200 ms latency, concurrency 8/32/64
     python benchmarks/rephrase.py --latency-ms 200 --concurrency 32 --requests 960
 
-The endpoint (`python -m k2_data.rephrase.loopback`) runs in its own process and answers every request
+The endpoint (`python -m k2_data.loopback`) runs in its own process and answers every request
 after exactly `--latency-ms`, so the ideal rate at concurrency C is C / latency (160 requests/s at 32 and
 200 ms). The anchor is a plain sequential loop (`HTTPChatClient`, one request at a time), measured in
 the same run. Reported per row: requests/s, the share of the ideal rate, the speedup over the loop,
@@ -31,7 +31,7 @@ def request(i: int) -> dict:
 
 def start_server(latency_ms: float) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "k2_data.rephrase.loopback", "--latency-ms", str(latency_ms)],
+        [sys.executable, "-m", "k2_data.loopback", "--latency-ms", str(latency_ms)],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from k2_ckpt.launch import free_port  # the project's one definition
 
 
 @contextlib.contextmanager

@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("httpx")
 
+from k2_data.loopback import LoopbackServer, Reply
 from k2_data.rephrase import prompts as P
 from k2_data.rephrase import read_rows
-from k2_data.rephrase.loopback import LoopbackServer, Reply
 
 from k2_stack.cli import main
 

@@ -7,7 +7,6 @@ same model, the chat template's `render_ids`, and the tool's JSON schema.
 from __future__ import annotations
 
 import json
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +14,7 @@ import httpx
 import openai
 import pytest
 import torch
+from k2_ckpt.launch import free_port
 from k2_data.chat import render_ids
 
 from k2_stack.serve import build_bridge, create_app
@@ -46,12 +46,6 @@ LOOKUP = {
         },
     },
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -335,7 +329,7 @@ def test_ckpt_update_into_live_server(server):
     }
     created = not dist.is_initialized()  # another test in this process may hold a group already
     if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     ps = ParameterServer()
     try:
         ps.register_checkpoint("v2", named_tensors=new)
@@ -365,7 +359,7 @@ def test_cli_starts_the_server():
     import subprocess
     import sys
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [
             sys.executable,

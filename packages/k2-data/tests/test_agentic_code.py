@@ -14,7 +14,7 @@ from k2_data.agentic.code_tool import CODE_TOOL_NAME, CodeExecError, CodeExecuto
 from k2_data.agentic.pipeline import AgenticConfig, run_agentic
 from k2_data.agentic.scripted import ScriptedTeacher
 from k2_data.agentic.trajectory import Limits
-from k2_data.rephrase.loopback import LoopbackServer
+from k2_data.loopback import LoopbackServer
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux"),

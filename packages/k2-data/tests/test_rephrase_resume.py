@@ -16,9 +16,9 @@ import pytest
 
 pytest.importorskip("httpx")
 
+from k2_data.loopback import LoopbackServer, Reply
 from k2_data.rephrase import chunk_text, read_rows
 from k2_data.rephrase import prompts as P
-from k2_data.rephrase.loopback import LoopbackServer, Reply
 from k2_data.rephrase.pipeline import STATE_DIR, iter_journal
 
 N_DOCS, ROUNDS, CHUNK_TOKENS = 24, 2, 32
@@ -80,6 +80,7 @@ def completed_chunks(
     return done
 
 
+@pytest.mark.slow  # kills and restarts a k2 data rephrase process
 def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
     docs = make_docs()
     path = tmp_path / "docs.jsonl"

@@ -11,7 +11,6 @@ and the final full parameters. `reference()` is the same training in one process
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import torch
@@ -19,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from k2_model import K2Config, K2ForCausalLM
 from k2_model.testing import SMALL_OVERRIDES
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 # 3 layers (dense, MoE, MoE), 8 experts top-2 (whole experts for ep = 2 and 4), a small vocab.
 OVERRIDES = dict(SMALL_OVERRIDES, num_hidden_layers=3, n_routed_experts=8, vocab_size=256)
@@ -107,13 +107,7 @@ def _worker(rank: int, world: int, eps: list[int], out: str, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 if __name__ == "__main__":
     world, out, eps = int(sys.argv[1]), sys.argv[2], [int(a) for a in sys.argv[3:]]
     os.makedirs(out, exist_ok=True)
-    mp.spawn(_worker, args=(world, eps, out, _free_port()), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, eps, out, get_free_port()), nprocs=world, join=True)

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from k2_model import K2Config, K2ForCausalLM
 from k2_model.engine import Engine, SamplingParams
-from k2_model.testing import SMALL_OVERRIDES
+from k2_model.testing import tiny_model
 
 
 def _engine(model) -> Engine:
@@ -16,7 +15,7 @@ def _engine(model) -> Engine:
 
 def test_free_cache_memory_releases_the_pool_and_outputs_stay_the_same():
     torch.manual_seed(0)
-    model = K2ForCausalLM(K2Config.preset("tiny", **SMALL_OVERRIDES)).eval()
+    model = tiny_model().eval()
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30, 31, 32]]
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=11, n=2)
 
@@ -35,7 +34,7 @@ def test_free_cache_memory_releases_the_pool_and_outputs_stay_the_same():
 
 def test_free_cache_memory_is_refused_while_requests_run():
     torch.manual_seed(0)
-    engine = _engine(K2ForCausalLM(K2Config.preset("tiny", **SMALL_OVERRIDES)).eval())
+    engine = _engine(tiny_model().eval())
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
     with pytest.raises(RuntimeError, match="still queued or running"):
         engine.free_cache_memory()

@@ -7,15 +7,14 @@ import json
 import pytest
 import torch
 from k2_data import load_tokenizer
-from k2_model import K2Config, K2ForCausalLM
-from k2_model.testing import SMALL_OVERRIDES
+from k2_model.testing import tiny_model
 from k2_rl.evaluate import evaluate_policy, main
 
 
 @pytest.fixture
 def policy_dir(tmp_path):
     torch.manual_seed(0)
-    model = K2ForCausalLM(K2Config.preset("tiny", **SMALL_OVERRIDES))
+    model = tiny_model()
     d = tmp_path / "hf"
     model.save_pretrained(str(d))
     load_tokenizer().save(d)

@@ -80,6 +80,7 @@ def test_rollout_prefills_each_prompt_once_for_its_k_samples():
         rollout.close()
 
 
+@pytest.mark.slow  # spawns a rollout worker process
 def test_worker_runs_in_another_process_and_receives_weights_through_parameter_server(tmp_path):
     """A rollout worker started from weights A, then synced to weights B with
     ParameterServer.update, generates exactly what B generates in this process."""
@@ -281,6 +282,7 @@ def test_layout_errors_name_the_flag(tmp_path):
         RLConfig(ep=0).validate()
 
 
+@pytest.mark.slow  # spawns a rollout worker process
 def test_a_killed_rollout_worker_is_restarted_and_resynced(tmp_path):
     """The worker is SIGKILLed after iteration 1: iteration 2's rollout fails, the loop restarts the
     worker, pushes the current policy into it and finishes the run."""

@@ -222,12 +222,11 @@ def test_on_policy_step_equals_a_separate_old_policy_forward(loss_name):
 def test_token_logprobs_with_the_head_on_response_positions_only():
     """K2ForCausalLM applies its head only where a response token is scored (logits_mask): the
     log-probs and their gradients equal those of the full [B, S, N] logits."""
-    from k2_model import K2Config, K2ForCausalLM
-    from k2_model.testing import SMALL_OVERRIDES
+    from k2_model.testing import tiny_model
     from k2_rl.loss import token_logprobs
 
     torch.manual_seed(0)
-    model = K2ForCausalLM(K2Config.preset("tiny", **SMALL_OVERRIDES))
+    model = tiny_model()
     batch = _rl_batch(V=200)
     got = token_logprobs(model, batch)
     full = torch.log_softmax(model(batch["input_ids"]).logits.float(), -1)

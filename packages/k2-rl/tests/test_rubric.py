@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from k2_data.rephrase.loopback import LoopbackServer, Reply
+from k2_data.loopback import LoopbackServer, Reply
 from k2_rl.rewards import get_reward, is_group_reward
 from k2_rl.rewards.critic import HTTPCritic, PolicyCritic
 from k2_rl.rewards.rubric import (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from k2_model import K2Config, K2ForCausalLM
-from k2_model.testing import SMALL_OVERRIDES
+from k2_model import K2ForCausalLM
+from k2_model.testing import tiny_model
 from k2_rl.loop import build_batch
 from k2_rl.loss import token_logprobs
 from k2_rl.rollout import Sample
@@ -29,7 +29,7 @@ def _batch(seed: int = 0, V: int = 200, K: int = 3) -> dict[str, torch.Tensor]:
 
 def _model(train: bool) -> K2ForCausalLM:
     torch.manual_seed(0)
-    model = K2ForCausalLM(K2Config.preset("tiny", **SMALL_OVERRIDES))
+    model = tiny_model()
     return model.train(train)
 
 

@@ -6,18 +6,6 @@ import argparse
 
 from k2_stack.commands import training
 
-EXTRA = [
-    (
-        "data",
-        str,
-        (
-            "corpus file/dir or tokenized dir, or sources mixed by weight, e.g. raw:0.5,rephrased:0.5 "
-            "(None: this Python's standard library source)"
-        ),
-    ),
-    ("max_corpus_mb", float, "use only the first N MB of the default corpus (0 = all)"),
-]
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     from k2_train import PretrainConfig
@@ -28,11 +16,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Pretrain a K2-architecture model (MuonClip, WSD schedule, aux-loss-free balancing). "
         "Writes metrics.jsonl, plots, the tokenizer and the atomic train state into --out.",
     )
-    training.add_common_flags(p, PretrainConfig, EXTRA)
+    training.add_common_flags(p, PretrainConfig)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from k2_train import PretrainConfig
 
-    return training.run(args, PretrainConfig, EXTRA)
+    return training.run(args, PretrainConfig)

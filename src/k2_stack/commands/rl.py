@@ -10,81 +10,14 @@ import sys
 import time
 from pathlib import Path
 
-FLAGS = [
-    (
-        "init",
-        str,
-        "the policy to start from: an SFT run dir or an HF-format dir (None: random init of --preset)",
-    ),
-    ("preset", str, "model preset when there is no --init"),
-    ("tasks", str, "task JSONL ({messages, answer}) (None: the generated addition task)"),
-    ("heldout", str, "held-out task JSONL for the accuracy (None: the generated task's)"),
-    ("reward", str, 'reward name (k2_rl.rewards registry); a task\'s own "reward" field overrides it'),
-    (
-        "critic_url",
-        str,
-        (
-            "critic of the rubric reward: an OpenAI-compatible API root (e.g. k2 serve's http://HOST:PORT/v1), "
-            "or 'policy' (the rollout engine judges through /generate); required with rubric tasks unless the "
-            "rollout worker serves an OpenAI chat endpoint"
-        ),
-    ),
-    ("critic_model", str, "model id sent to the critic (None: the first the endpoint lists)"),
-    ("critic_refine_pairs", int, "verifiable pairs the critic is checked on per iteration (0 = off)"),
-    (
-        "rubric_dir",
-        str,
-        "a directory (or file) of your own rubrics, .json/.toml, read after the shipped ones",
-    ),
-    ("rubric_aggregation", str, "winrate or bt (Bradley-Terry): how pairwise verdicts become rewards"),
-    ("iterations", int, "RL iterations (rollout, reward, update, sync)"),
-    ("prompts_per_iteration", int, "prompts per iteration"),
-    ("samples_per_prompt", int, "responses sampled per prompt (K)"),
-    ("max_response_tokens", int, "response budget; longer responses are cut and penalised"),
-    ("truncation_penalty", float, "subtracted from a cut response's reward"),
-    ("temperature", float, "rollout temperature at the first iteration"),
-    ("temperature_end", float, "rollout temperature at the last iteration (linear decay)"),
-    ("loss", str, "k15 (Kimi K1.5's objective) or grpo (clipped, for comparison)"),
-    ("rl_tau", float, "K1.5's tau (weight of the log-ratio)"),
-    ("ptx_coef", float, "weight of the PTX next-token term (needs --ptx-data)"),
-    ("ptx_data", str, "chat JSONL for the PTX term"),
-    ("updates_per_iteration", int, "optimizer steps on each iteration's rollouts"),
-    ("micro_prompts", int, "prompts per micro-batch (0 = all)"),
-    (
-        "prompt_sharing",
-        str,
-        "on: one prompt pass for its K responses in the trainer's forwards; off: row by row; auto: on for a CPU trainer",
-    ),
-    ("optimizer", str, "muonclip | muon | adamw"),
-    ("lr", float, "learning rate (Muon's for muon/muonclip)"),
-    ("adamw_lr", float, "AdamW lr of embeddings, head and 1-D params (0 = --lr)"),
-    ("tau", float, "QK-Clip threshold"),
-    ("ns_dtype", str, "Newton-Schulz dtype: auto (bf16 where bf16 GEMMs are native, else fp32), fp32, bf16"),
-    ("eval_every", int, "held-out greedy accuracy every N iterations (0 = never)"),
-    ("eval_prompts", int, "held-out prompts to evaluate (0 = all)"),
-    ("kl_every", int, "log the KL estimate (one more forward) every N iterations (0 = never)"),
-    ("save_every", int, "save the train state every N iterations"),
-    ("stop_at", int, "stop after this iteration and save, as an interrupt would"),
-    ("rollout", str, "process (a rollout worker synced through k2-ckpt) or inprocess"),
-    (
-        "free_rollout_cache",
-        str,
-        "engine switching: the rollout engine frees its KV pool while the trainer runs (auto = on a GPU; on; off)",
-    ),
-    ("reward_workers", int, "reward worker processes"),
-    ("seed", int, "random seed (prompts, sampling, init)"),
-    ("threads", int, "torch threads of the trainer (0 = torch's default)"),
-    ("rollout_threads", int, "torch threads of the rollout worker (0 = torch's default)"),
-    ("device", str, "auto, cpu or cuda"),
-    ("ep", int, "under torchrun: routed experts split over N trainer ranks (FSDP2 x EP)"),
-]
+from k2_stack.config_flags import add_config_flags, apply_overrides, config_overrides
+
 RESUME_MAY_CHANGE = {"threads", "rollout_threads", "stop_at", "device", "reward_workers", "critic_url"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     from k2_rl.config import RLConfig
 
-    d = RLConfig()
     p = sub.add_parser(
         "rl",
         help="RL with the Kimi K1.5 objective on verifiable tasks (rollouts synced through k2-ckpt)",
@@ -93,13 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "push the weights into the worker through k2-ckpt. Writes metrics.jsonl, plots/rl.png and the train state.",
     )
     p.add_argument("--config", type=Path, help="JSON or TOML file with RLConfig fields (flags override it)")
-    p.add_argument("--out", type=str, help=f"the run directory (default: {d.out})")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue the run in RUN_DIR exactly")
-    for name, typ, help_ in FLAGS:
-        p.add_argument(
-            "--" + name.replace("_", "-"), dest=name, type=typ, help=f"{help_} (default: {getattr(d, name)})"
-        )
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    add_config_flags(p, RLConfig)  # one flag per RLConfig field, help from the field
     p.set_defaults(func=run)
 
 
@@ -117,15 +46,13 @@ def _extendable(run_dir: Path) -> set[str]:
 def build_config(args: argparse.Namespace):
     from k2_rl.config import RLConfig
 
-    overrides = {name: getattr(args, name) for name, _, _ in FLAGS if getattr(args, name) is not None}
-    if args.out is not None:
-        overrides["out"] = args.out
+    overrides = config_overrides(args, RLConfig)
     if args.resume is not None:
         from k2_stack.commands.training import resumed_config
 
         return resumed_config(args.resume, RLConfig, overrides, RESUME_MAY_CHANGE | _extendable(args.resume))
     cfg = RLConfig.from_file(args.config) if args.config is not None else RLConfig()
-    return dataclasses.replace(cfg, **overrides)
+    return apply_overrides(cfg, overrides)
 
 
 def run(args: argparse.Namespace) -> int:

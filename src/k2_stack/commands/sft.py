@@ -6,23 +6,6 @@ import argparse
 
 from k2_stack.commands import training
 
-EXTRA = [
-    (
-        "init",
-        str,
-        "start from these weights: an HF-format dir (`k2 export`) or a k2 run dir (None: random init of --preset)",
-    ),
-    (
-        "data",
-        str,
-        (
-            "chat JSONL/Parquet/Arrow (messages + tools) or a dir from `k2 data sft` "
-            "(None: the shipped tool-use example set)"
-        ),
-    ),
-    ("packing", str, "whole (conversations never split across samples) or stream"),
-]
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     from k2_train import SFTConfig
@@ -34,11 +17,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "loss on assistant turns and their tool calls only. Same loop, train state, resume and metrics as "
         "`k2 pretrain`; `k2 export RUN --out DIR` then `k2 serve --model DIR` serves the result.",
     )
-    training.add_common_flags(p, SFTConfig, EXTRA)
+    training.add_common_flags(p, SFTConfig)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from k2_train import SFTConfig
 
-    return training.run(args, SFTConfig, EXTRA)
+    return training.run(args, SFTConfig)

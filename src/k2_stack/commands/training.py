@@ -1,4 +1,5 @@
-"""What `k2 pretrain` and `k2 sft` share: their flags, config building (with resume rules), the
+"""What `k2 pretrain` and `k2 sft` share: their flags (generated from the config's fields), config
+building (with resume rules), the
 progress display (a rich bar on a terminal, a plain line every few seconds elsewhere) and the
 summary. The loop itself is k2_train.run_training."""
 
@@ -11,45 +12,18 @@ import os
 from pathlib import Path
 from typing import Any
 
-# Flags that map one-to-one onto the config fields (name, type, help).
-FLAGS = [
-    ("preset", str, "model preset (tiny, kimi-k2, deepseek-v3)"),
-    ("optimizer", str, "muonclip | muon | adamw"),
-    ("lr", float, "peak learning rate (Muon's, with RMS matched to AdamW; AdamW's for --optimizer adamw)"),
-    ("adamw_lr", float, "with muon/muonclip: AdamW lr of embeddings, head and 1-D params (0 = --lr)"),
-    ("weight_decay", float, "decoupled weight decay"),
-    ("tau", float, "QK-Clip threshold (also drawn on the max-logit plot of non-clipping runs)"),
-    ("ns_dtype", str, "Newton-Schulz dtype: auto (bf16 where bf16 GEMMs are native, else fp32), fp32, bf16"),
-    ("steps", int, "optimizer steps"),
-    ("batch", int, "global batch in sequences"),
-    ("micro_batch", int, "sequences per forward (gradient accumulation); 0 = whole batch"),
-    ("seq_len", int, "tokens per sequence"),
-    ("warmup_steps", int, "WSD warmup steps"),
-    ("decay_fraction", float, "WSD: fraction of the run spent in the cosine decay"),
-    ("grad_clip", float, "gradient-norm clip (0 = off)"),
-    ("tokenizer", str, "tokenizer dir (default: k2-data's bundled BPE)"),
-    ("val_fraction", float, "fraction of documents held out for the validation loss"),
-    ("eval_every", int, "validation loss every N steps (0 = off)"),
-    ("save_every", int, "save the train state every N steps (the last step is always saved)"),
-    ("stop_at", int, "stop after this step and save the train state, as an interrupt would"),
-    ("seed", int, "random seed (model init and data order)"),
-    ("threads", int, "torch threads (0 = torch's default)"),
-    ("dtype", str, "auto (fp32 on CPU, bf16 on GPU), fp32 or bf16"),
-    ("device", str, "auto, cpu or cuda"),
-    ("ep", int, "expert parallelism under torchrun: routed experts split over N ranks (FSDP2 x EP)"),
-]
+from k2_stack.config_flags import add_config_flags, apply_overrides, config_overrides, get_flat
+
 # Flags a resumed run may change: they do not change what is computed.
 RESUME_MAY_CHANGE = {"threads", "stop_at", "device"}
 
 
-def add_common_flags(
-    p: argparse.ArgumentParser, config_cls: type, extra: list[tuple[str, type, str]]
-) -> None:
-    defaults = config_cls()
+def add_common_flags(p: argparse.ArgumentParser, config_cls: type) -> None:
+    """--config, --resume, --json, and one flag per field of `config_cls` (generated from the
+    fields' help: k2_stack.config_flags)."""
     p.add_argument(
         "--config", type=Path, help="JSON or TOML file with the config's fields (flags override it)"
     )
-    p.add_argument("--out", type=str, help=f"the run directory (default: {defaults.out})")
     p.add_argument(
         "--resume",
         type=Path,
@@ -57,54 +31,20 @@ def add_common_flags(
         help="continue the run in RUN_DIR from its latest train state, exactly (its flags are kept; "
         "changing one is refused by name)",
     )
-    p.add_argument(
-        "--activation-checkpointing",
-        choices=["none", "full", "selective"],
-        default=None,
-        help="recompute layers in backward: every layer (full) or every other layer (selective) "
-        f"(default: {defaults.activation_checkpointing})",
-    )
-    p.add_argument(
-        "--attention",
-        choices=["auto", "fused", "sdpa", "eager"],
-        default=None,
-        help="attention path: auto (the fused k2_kernels kernel where it serves the device), "
-        f"fused, sdpa or eager (default: {defaults.attention})",
-    )
-    for name, typ, help_ in FLAGS + extra:
-        p.add_argument(
-            "--" + name.replace("_", "-"),
-            dest=name,
-            type=typ,
-            help=f"{help_} (default: {getattr(defaults, name)})",
-        )
-    p.add_argument(
-        "--document-mask",
-        action="store_true",
-        default=None,
-        help=f"attend only within each packed document (default: {defaults.document_mask})",
-    )
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    add_config_flags(p, config_cls)
 
 
-def build_config(args: argparse.Namespace, config_cls: type, extra: list[tuple[str, type, str]]) -> Any:
+def build_config(args: argparse.Namespace, config_cls: type, may_change: set[str] = RESUME_MAY_CHANGE) -> Any:
     """The run's config: the stored one for --resume (flags that would change it are refused by
     name), else --config, else defaults; then the flags."""
-    overrides = {name: getattr(args, name) for name, _, _ in FLAGS + extra if getattr(args, name) is not None}
-    if args.out is not None:
-        overrides["out"] = args.out
-    if args.document_mask:
-        overrides["document_mask"] = True
-    if args.activation_checkpointing is not None:
-        overrides["activation_checkpointing"] = args.activation_checkpointing
-    if args.attention is not None:
-        overrides["attention"] = args.attention
+    overrides = config_overrides(args, config_cls)
     if args.resume is not None:
         if args.config is not None:
             raise ValueError("--resume continues the stored config; --config cannot be combined with it")
-        return resumed_config(args.resume, config_cls, overrides, RESUME_MAY_CHANGE)
+        return resumed_config(args.resume, config_cls, overrides, may_change)
     cfg = config_cls.from_file(args.config) if args.config is not None else config_cls()
-    return dataclasses.replace(cfg, **overrides)
+    return apply_overrides(cfg, overrides)
 
 
 def resumed_config(run_dir: Path, config_cls: type, overrides: dict[str, Any], may_change: set[str]) -> Any:
@@ -123,9 +63,9 @@ def resumed_config(run_dir: Path, config_cls: type, overrides: dict[str, Any], m
         )
     cfg = config_cls.from_dict(stored, source=str(saved))
     changed = [
-        f"--{k.replace('_', '-')} {v} (the run has {getattr(cfg, k)})"
+        f"--{k.replace('_', '-')} {v} (the run has {get_flat(cfg, k)})"
         for k, v in overrides.items()
-        if k not in may_change and k != "out" and getattr(cfg, k) != v
+        if k not in may_change and k != "out" and get_flat(cfg, k) != v
     ]
     if changed:
         raise ValueError(
@@ -135,7 +75,7 @@ def resumed_config(run_dir: Path, config_cls: type, overrides: dict[str, Any], m
         )
     # the stored stop point is spent: a resume runs to the end unless --stop-at names a new one
     kept = {"stop_at": 0, **{k: v for k, v in overrides.items() if k in may_change}}
-    return dataclasses.replace(cfg, out=str(run_dir), **kept)
+    return apply_overrides(cfg, {"out": str(run_dir), **kept})
 
 
 class RichProgress:
@@ -204,14 +144,14 @@ def summary_table(result, cfg, task: str):
     return t
 
 
-def run(args: argparse.Namespace, config_cls: type, extra: list[tuple[str, type, str]]) -> int:
+def run(args: argparse.Namespace, config_cls: type) -> int:
     from k2_train import PlainProgress, run_training
     from rich.console import Console
 
     console = Console()
     task = config_cls.task
     try:
-        cfg = build_config(args, config_cls, extra)
+        cfg = build_config(args, config_cls)
         cfg.validate()
     except (ValueError, FileNotFoundError) as e:
         console.print(f"[red]k2 {task}: {e}[/red]", soft_wrap=True)

@@ -3,7 +3,10 @@
     from k2_stack.serve import build_bridge, create_app
     app = create_app(build_bridge(None, "tiny"))     # uvicorn.run(app, port=8000)
 
-- `app.py`: routes, OpenAI request/response/error shapes, SSE streaming
+- `app.py`: routing and OpenAI's error shape
+- `chat.py`, `completions.py`: request -> plan (validation, prompt, sampling parameters) and engine
+  pieces -> response body or SSE stream, pure functions tested without a server
+- `common.py`: the server context the translators read, engine pieces, sampling parameters
 - `protocol.py`: pydantic request bodies
 - `bridge.py`: the shared `EngineThread`, awaited from asyncio; weight updates between steps
 - `guided.py`: tool_choice "required" / named function by structured decoding (llguidance)

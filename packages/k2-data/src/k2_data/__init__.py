@@ -3,8 +3,7 @@
 from k2_data import load_tokenizer, tokenize_corpus, PackedDataset, StatefulLoader
 """
 
-__version__ = "0.1.0"
-
+from k2_data._version import __version__ as __version__
 from k2_data.chat import ToolCallStreamParser, parse_tool_calls, render_chat, render_ids
 from k2_data.corpus import default_corpus_files
 from k2_data.ingest import BadRecordError, TokenizeConfig, ensure_tokenized, load_manifest, tokenize_corpus

@@ -19,7 +19,6 @@ import itertools
 import json
 import multiprocessing
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -29,8 +28,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from k2_data import __version__
+from k2_data._version import __version__
 from k2_data.corpus import default_corpus_files, expand_inputs, file_kind
+from k2_data.shards import atomic_json, read_table_meta, write_table_atomic
 from k2_data.tokenizer import Tokenizer, load_tokenizer
 
 SCHEMA_VERSION = 1
@@ -338,39 +338,12 @@ def _build_table(
 
 
 def _write_shard(table: pa.Table, path: Path, fmt: str, meta: dict) -> None:
-    table = table.replace_schema_metadata({_META_KEY: json.dumps(meta).encode()})
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        if fmt == "arrow":
-            with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-                writer.write_table(table, max_chunksize=64 << 10)
-        else:
-            import pyarrow.parquet as pq
-
-            pq.write_table(table, tmp, compression="zstd")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_table_atomic(table, path, fmt, _META_KEY, meta)
 
 
 def read_shard_meta(path: str | Path) -> dict | None:
     """The row/token counts a completed shard carries, or None if it is unreadable (then redone)."""
-    path = Path(path)
-    try:
-        if path.suffix == ".arrow":
-            with pa.memory_map(str(path), "r") as source:
-                schema = pa.ipc.open_file(source).schema
-        else:
-            import pyarrow.parquet as pq
-
-            schema = pq.read_schema(str(path))
-    except (pa.ArrowInvalid, OSError):
-        return None
-    raw = (schema.metadata or {}).get(_META_KEY)
-    return json.loads(raw) if raw else None
+    return read_table_meta(path, _META_KEY)
 
 
 _WORKER_TOKENIZER: dict[str, Tokenizer] = {}
@@ -466,14 +439,6 @@ def _plan_fingerprint(tasks: list[ShardTask], tokenizer: Tokenizer, settings: li
     return h.hexdigest()
 
 
-def _atomic_json(path: Path, obj: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-
-
 @dataclass
 class _Run:
     """A planned run: output dir, tokenizer (and the path workers load it from), shard tasks, plan hash."""
@@ -504,7 +469,7 @@ def _prepare_run(
                 "use a new --out directory or delete it"
             )
     else:
-        _atomic_json(plan_path, {"plan_sha256": plan_sha, "shards": len(tasks)})
+        atomic_json(plan_path, {"plan_sha256": plan_sha, "shards": len(tasks)})
     tok.save(out / TOKENIZER_SUBDIR)
     tok_path = str(tokenizer) if tokenizer is not None else str(_default_path())
     _WORKER_TOKENIZER[tok_path] = tok  # forked workers inherit it instead of parsing it again
@@ -580,7 +545,7 @@ def _manifest(
         "seconds": round(seconds, 3),
         "resumed_shards": sum(1 for s in shards if s.get("resumed")),
     }
-    _atomic_json(run.out / MANIFEST, manifest)
+    atomic_json(run.out / MANIFEST, manifest)
     return manifest
 
 

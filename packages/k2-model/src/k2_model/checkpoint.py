@@ -16,7 +16,7 @@ import math
 import os
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -25,8 +25,9 @@ from torch import Tensor
 
 from k2_model.config import K2Config
 
-if TYPE_CHECKING:
-    from k2_model.model import K2ForCausalLM
+# This module never imports k2_model.model (model.py imports it): the model arrives as an
+# nn.Module with a `.config` K2Config, the class to build as a parameter of load_pretrained.
+K2ForCausalLM = Any  # the annotation's meaning: a k2_model.K2ForCausalLM (or subclass) instance
 
 logger = logging.getLogger("k2_model")
 

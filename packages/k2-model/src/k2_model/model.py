@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from k2_kernels import ops as _kops
 from torch import Tensor, nn
 
+from k2_model.checkpoint import load_pretrained, save_pretrained
 from k2_model.config import K2Config
 from k2_model.moe import MLP, MoE, RoutedExperts, Router
 from k2_model.rope import apply_rope_interleaved, rope_cos_sin, rope_inv_freq
@@ -608,14 +609,10 @@ class K2ForCausalLM(nn.Module):
         cls, path: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
     ) -> K2ForCausalLM:
         """Load an HF-format directory (config.json + safetensors, FP8 block weights dequantised)."""
-        from k2_model.checkpoint import load_pretrained
-
         return load_pretrained(cls, path, dtype=dtype, device=device)
 
     def save_pretrained(self, path: str, max_shard_bytes: int = 5 * 2**30) -> None:
         """Write config.json + (sharded, indexed) safetensors with DeepseekV3ForCausalLM names."""
-        from k2_model.checkpoint import save_pretrained
-
         save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
 
     def num_parameters(self) -> int:

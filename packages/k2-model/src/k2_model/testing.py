@@ -1,8 +1,13 @@
 """Shapes for tests and smoke runs: K2's structure (MLA, a dense first layer then MoE) at a size
 that runs a training step in well under a second on a CPU core.
 
-    K2Config.preset("tiny", **SMALL_OVERRIDES)
+    tiny_model()                 # K2ForCausalLM(K2Config.preset("tiny", **SMALL_OVERRIDES))
+    tiny_model(vocab_size=100)   # overrides on top
 """
+
+from __future__ import annotations
+
+from typing import Any
 
 SMALL_OVERRIDES: dict[str, int] = {
     "hidden_size": 64,
@@ -19,4 +24,19 @@ SMALL_OVERRIDES: dict[str, int] = {
     "num_experts_per_tok": 2,
 }
 
-__all__ = ["SMALL_OVERRIDES"]
+
+def tiny_config(**overrides: Any):
+    """The tiny preset at test size (SMALL_OVERRIDES), with `overrides` on top."""
+    from k2_model.config import K2Config
+
+    return K2Config.preset("tiny", **{**SMALL_OVERRIDES, **overrides})
+
+
+def tiny_model(**overrides: Any):
+    """A K2ForCausalLM of `tiny_config(**overrides)` (random init, the global RNG's state)."""
+    from k2_model.model import K2ForCausalLM
+
+    return K2ForCausalLM(tiny_config(**overrides))
+
+
+__all__ = ["SMALL_OVERRIDES", "tiny_config", "tiny_model"]

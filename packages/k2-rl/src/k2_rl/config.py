@@ -6,10 +6,10 @@ threshold, `seed`, ...); the K1.5 objective's own tau is `rl_tau`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from k2_train.config import NS_DTYPES, RunConfig
+from k2_train.config import NS_DTYPES, OPTIMIZERS, RunConfig, option
 
 LOSSES = ("k15", "grpo")
 ROLLOUTS = ("process", "inprocess")
@@ -18,79 +18,125 @@ ROLLOUTS = ("process", "inprocess")
 @dataclass
 class RLConfig(RunConfig):
     # policy: start from an SFT run dir or an HF-format dir; None = a random init of `preset`
-    init: str | None = None
-    preset: str = "tiny"
-    model_overrides: dict[str, Any] = field(default_factory=dict)
-    attention: str = "auto"
+    init: str | None = option(
+        None, "the policy to start from: an SFT run dir or an HF-format dir (None: random init of --preset)"
+    )
+    preset: str = option("tiny", "model preset when there is no --init")
+    model_overrides: dict[str, Any] = option(
+        default_factory=dict,
+        help="K2Config fields over the preset, as JSON (e.g. '{\"n_routed_experts\": 64}')",
+    )
+    attention: str = option(
+        "auto",
+        "attention path: auto (the fused k2_kernels kernel where it serves the device), fused, sdpa or eager",
+        choices=("auto", "fused", "sdpa", "eager"),
+    )
     # tasks: JSONL records {"messages", "answer"}; None = the generated addition task
-    tasks: str | None = None
-    heldout: str | None = None
-    reward: str = "math"  # a k2_rl.rewards registry name; a task's own "reward" field overrides it
+    tasks: str | None = option(None, "task JSONL ({messages, answer}) (None: the generated addition task)")
+    heldout: str | None = option(None, "held-out task JSONL for the accuracy (None: the generated task's)")
+    reward: str = option(
+        "math", 'reward name (k2_rl.rewards registry); a task\'s own "reward" field overrides it'
+    )
     # the self-critique rubric reward ("rubric", a group reward) and its critic
-    critic_url: str | None = None  # OpenAI-compatible API root; "policy": the rollout engine via /generate
-    critic_model: str | None = None  # None: the first id the endpoint lists at /models
-    critic_concurrency: int = 8
-    critic_max_tokens: int = 256
-    critic_refine_pairs: int = 16  # verifiable pairs the critic is checked on per iteration; 0 = off
-    rubric_dir: str | None = None  # the user's rubric files (.json/.toml), read after the shipped ones
-    rubric_aggregation: str = "winrate"  # or "bt" (Bradley-Terry)
-    rubric_floor: float = 0.0  # the reward of a response violating a prescriptive rubric
+    critic_url: str | None = option(
+        None,
+        "critic of the rubric reward: an OpenAI-compatible API root (e.g. k2 serve's http://HOST:PORT/v1), or 'policy' (the rollout engine judges through /generate); required with rubric tasks unless the rollout worker serves an OpenAI chat endpoint",
+    )
+    critic_model: str | None = option(
+        None, "model id sent to the critic (None: the first the endpoint lists)"
+    )
+    critic_concurrency: int = option(8, "concurrent requests to the critic endpoint")
+    critic_max_tokens: int = option(256, "the critic's reply budget in tokens")
+    critic_refine_pairs: int = option(16, "verifiable pairs the critic is checked on per iteration (0 = off)")
+    rubric_dir: str | None = option(
+        None, "a directory (or file) of your own rubrics, .json/.toml, read after the shipped ones"
+    )
+    rubric_aggregation: str = option(
+        "winrate",
+        "winrate or bt (Bradley-Terry): how pairwise verdicts become rewards",
+        choices=("winrate", "bt"),
+    )
+    rubric_floor: float = option(0.0, "the reward of a response violating a prescriptive rubric")
     # rollouts: prompts x samples per iteration, the response budget, the temperature schedule
-    iterations: int = 20
-    prompts_per_iteration: int = 16
-    samples_per_prompt: int = 8
-    max_response_tokens: int = 64
-    truncation_penalty: float = 0.5  # subtracted from the reward of a response cut at the budget
-    temperature: float = 1.0
-    temperature_end: float = 1.0  # linear decay from `temperature` to this over the run
-    top_p: float = 1.0
-    rollout: str = "process"  # "process": `python -m k2_rl.rollout` synced through k2-ckpt
+    iterations: int = option(20, "RL iterations (rollout, reward, update, sync)")
+    prompts_per_iteration: int = option(
+        16, "prompts per iteration (split over the trainer processes under torchrun)"
+    )
+    samples_per_prompt: int = option(8, "responses sampled per prompt (K)")
+    max_response_tokens: int = option(64, "response budget; longer responses are cut and penalised")
+    truncation_penalty: float = option(0.5, "subtracted from a cut response's reward")
+    temperature: float = option(1.0, "rollout temperature at the first iteration")
+    temperature_end: float = option(1.0, "rollout temperature at the last iteration (linear decay)")
+    top_p: float = option(1.0, "rollout nucleus-sampling threshold (1 = off)")
+    rollout: str = option(
+        "process", "process (a rollout worker synced through k2-ckpt) or inprocess", choices=ROLLOUTS
+    )
     # engine switching: the rollout engine frees its KV pool while the trainer runs (colocation on
     # one device, as K2 does); "auto" = when the policy is on a GPU, "on", "off"
-    free_rollout_cache: str = "auto"
-    rollout_threads: int = 0
-    reward_workers: int = 2
-    reward_timeout_s: float = 10.0
+    free_rollout_cache: str = option(
+        "auto",
+        "engine switching: the rollout engine frees its KV pool while the trainer runs (auto = on a GPU; on; off)",
+        choices=("auto", "on", "off"),
+    )
+    rollout_threads: int = option(0, "torch threads of the rollout worker (0 = torch's default)")
+    reward_workers: int = option(2, "reward worker processes")
+    reward_timeout_s: float = option(
+        10.0, "seconds one reward call may take (a code reward's sandbox run included)"
+    )
     # the objective
-    loss: str = "k15"
-    rl_tau: float = 0.1  # K1.5's tau: the weight of the log-ratio
-    clip_eps: float = 0.2  # grpo only
-    ptx_coef: float = 0.0
-    ptx_data: str | None = None  # chat JSONL for the PTX term (its assistant turns)
+    loss: str = option("k15", "k15 (Kimi K1.5's objective) or grpo (clipped, for comparison)", choices=LOSSES)
+    rl_tau: float = option(0.1, "K1.5's tau (weight of the log-ratio)")
+    clip_eps: float = option(0.2, "the clipping range of --loss grpo")
+    ptx_coef: float = option(0.0, "weight of the PTX next-token term (needs --ptx-data)")
+    ptx_data: str | None = option(None, "chat JSONL for the PTX term")
     # optimizer steps on each iteration's rollouts, in micro-batches of whole prompts
-    updates_per_iteration: int = 1
-    micro_prompts: int = 0  # prompts per micro-batch; 0 = all of them
+    updates_per_iteration: int = option(1, "optimizer steps on each iteration's rollouts")
+    micro_prompts: int = option(0, "prompts per micro-batch (0 = all)")
     # "on": the trainer's forwards run each prompt once for its K responses (k2_rl.shared_prompt)
     # while a packed row stays short; "off": row by row; "auto": on for a CPU trainer, where it was
     # measured faster, off on a GPU (the fused kernel on rows there; not measured against it yet)
-    prompt_sharing: str = "auto"
-    optimizer: str = "muonclip"
+    prompt_sharing: str = option(
+        "auto",
+        "on: one prompt pass for its K responses in the trainer's forwards; off: row by row; auto: on for a CPU trainer",
+        choices=("auto", "on", "off"),
+    )
+    optimizer: str = option("muonclip", "muonclip | muon | adamw", choices=OPTIMIZERS)
     # Muon updates have a fixed RMS: 2e-3 made held-out accuracy fall (30% -> 16%) in rl-demo
-    lr: float = 2e-4
-    adamw_lr: float = 5e-5
-    weight_decay: float = 0.0
-    tau: float = 30.0  # QK-Clip
+    lr: float = option(2e-4, "learning rate (Muon's for muon/muonclip)")
+    adamw_lr: float = option(5e-5, "AdamW lr of embeddings, head and 1-D params (0 = --lr)")
+    weight_decay: float = option(0.0, "decoupled weight decay")
+    tau: float = option(30.0, "QK-Clip threshold")
     # Newton-Schulz dtype: "auto" = bf16 where bf16 GEMMs are native (CUDA, AVX512-BF16 / AMX CPUs),
     # fp32 elsewhere; "fp32" makes updates stable across process layouts and resumes
-    ns_dtype: str = "auto"
-    grad_clip: float = 1.0
-    bias_update_speed: float = 1e-3
+    ns_dtype: str = option(
+        "auto",
+        "Newton-Schulz dtype: auto (bf16 where bf16 GEMMs are native, else fp32), fp32, bf16",
+        choices=NS_DTYPES,
+    )
+    grad_clip: float = option(1.0, "gradient-norm clip (0 = off)")
+    bias_update_speed: float = option(
+        1e-3, "aux-loss-free balancing: the expert-bias step per optimizer step"
+    )
     # evaluation, state, run
-    eval_every: int = 5  # held-out greedy accuracy every N iterations (and at the last); 0 = never
-    eval_prompts: int = 0  # held-out prompts to evaluate; 0 = all
+    eval_every: int = option(5, "held-out greedy accuracy every N iterations (0 = never)")
+    eval_prompts: int = option(0, "held-out prompts to evaluate (0 = all)")
     # the KL(pi_old || pi_theta) estimate costs a forward of the whole batch after the updates (about a
     # fifth of the training phase at one update per iteration): every N iterations; 0 = never
-    kl_every: int = 1
-    save_every: int = 5  # train state every N iterations (the last / stopped one always)
-    stop_at: int = 0  # stop after this iteration with a saved state, as an interrupt would
-    out: str = "runs/rl"
-    seed: int = 0
-    threads: int = 0
-    device: str = "auto"
-    dtype: str = "auto"
+    kl_every: int = option(1, "log the KL estimate (one more forward) every N iterations (0 = never)")
+    save_every: int = option(5, "save the train state every N iterations")
+    stop_at: int = option(0, "stop after this iteration and save, as an interrupt would")
+    out: str = option("runs/rl", "the run directory")
+    seed: int = option(0, "random seed (prompts, sampling, init)")
+    threads: int = option(0, "torch threads of the trainer (0 = torch's default)")
+    device: str = option("auto", "auto, cpu or cuda")
+    dtype: str = option(
+        "auto",
+        "not read: the RL trainer keeps the policy in fp32; kept so that stored configs load",
+        flag=False,
+    )
     # under torchrun: the trainer's processes (FSDP2; with ep > 1 the routed experts split over ep
     # ranks, as in `k2 pretrain --ep`); rank 0 also drives the rollout worker and the rewards
-    ep: int = 1
+    ep: int = option(1, "under torchrun: routed experts split over N trainer ranks (FSDP2 x EP)")
 
     task = "rl"
 

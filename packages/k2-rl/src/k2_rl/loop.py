@@ -21,8 +21,9 @@ Each iteration:
    separate no-grad forward first.
 4. `updates_per_iteration` Trainer steps on the batch with the K1.5 loss (or the GRPO-style one),
    micro-batches holding whole prompts; MuonClip clips as in pretraining.
-5. The policy's state dict is registered with a k2-ckpt `ParameterServer` and pushed to the
-   rollout worker's receiver (`update`), which loads it between two engine steps.
+5. The policy's weights go into the rollout engine (`PolicyEngine.sync`, k2_rl.policy_engine: a
+   k2-ckpt `ParameterServer` update into the rollout worker's receiver, which loads them between
+   two engine steps, or a copy into the in-process engine).
 6. Every `eval_every` iterations: greedy accuracy on the held-out prompts.
 
 Under torchrun the trainer runs on every process (FSDP2, or FSDP2 x EP with `ep` > 1, as
@@ -44,7 +45,6 @@ import json
 import math
 import os
 import random
-import shutil
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -57,7 +57,9 @@ from k2_train import distributed as dd
 
 from k2_rl.config import RLConfig
 from k2_rl.loss import GRPOClippedLoss, KimiK15Loss, sequence_logprobs, token_logprobs
-from k2_rl.rollout import Rollout, RolloutWorker, Sample, derive_seed
+from k2_rl.policy_engine import PolicyEngine
+from k2_rl.rewards.base import budget_penalty
+from k2_rl.rollout import Sample, derive_seed
 
 METRICS = "metrics.jsonl"
 CONFIG = "config.json"
@@ -174,10 +176,6 @@ def load_tokenizer_for(init: str | None):
 # ----------------------------------------------------------------------------- the run
 
 
-def _rank0_requests(_mapping: dict) -> None:
-    """The `req_func` of ranks other than 0 in k2-ckpt's update (which calls it on rank 0 only)."""
-
-
 def run_rl(
     cfg: RLConfig,
     resume: bool = False,
@@ -203,6 +201,8 @@ class _Loop:
         self.cfg, self.resume, self.log, self.on_iteration = cfg, resume, log, on_iteration
         self.run_dir = Path(cfg.out)
         self.interrupted = False
+        self.metrics: Any = None  # the metrics writer (rank 0), made by _setup
+        self.critic: Any = None  # the rubric reward's critic, when a task needs one
 
     # -------------------------------------------------------------- setup
     def _setup(self) -> None:
@@ -380,7 +380,7 @@ class _Loop:
     def _make_critic(self) -> Any:
         from k2_rl.rewards.critic import HTTPCritic, PolicyCritic
 
-        url = self.cfg.critic_url or self._rollout_chat_url()
+        url = self.cfg.critic_url or self.engine.chat_url()
         if url is None:
             raise ValueError(
                 "the rubric reward needs a critic, and the rollout worker serves only /generate "
@@ -391,10 +391,10 @@ class _Loop:
         if url == "policy":
             # rank 0 alone scores, so under torchrun the critic calls the engine directly
             return PolicyCritic(
-                self._generate if not self.info.enabled else self.rollout.generate,
+                self.engine.generate if not self.info.enabled else self.engine.generate_on_rank0,
                 self.render,
                 lambda ids: self.tok.decode(ids),
-                self._stop_ids(),
+                self.engine.stop_ids,
             )
         return HTTPCritic(
             url,
@@ -402,19 +402,6 @@ class _Loop:
             max_concurrency=self.cfg.critic_concurrency,
             cache=self.run_dir / "critic_cache.sqlite",
         )
-
-    def _rollout_chat_url(self) -> str | None:
-        """The rollout worker's own OpenAI API root, if it serves one (`GET /v1/models` answers)."""
-        url = getattr(self.rollout, "url", None)
-        if self.worker is None or url is None:
-            return None
-        import httpx
-
-        try:
-            ok = httpx.get(url + "/v1/models", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        return url + "/v1" if ok else None
 
     def _ptx_rows(self) -> list[tuple[list[int], list[int]]]:
         """(ids, mask) of the PTX set's conversations (the loss on their assistant turns)."""
@@ -441,110 +428,6 @@ class _Loop:
             m = torch.tensor(mask[1:], dtype=torch.bool)
             lab_t[r, : len(ids) - 1] = torch.where(m, t[1:], torch.full_like(t[1:], -100))
         return {"ptx_input_ids": ids_t, "ptx_shift_labels": lab_t}
-
-    # -------------------------------------------------------------- the rollout engine and sync
-    def _start_rollout(self) -> None:
-        cfg = self.cfg
-        self.worker = self.rollout = None
-        if not self.info.is_main:  # rank 0 drives the one rollout worker
-            return
-        if cfg.rollout == "inprocess":
-            import copy
-
-            engine_model = copy.deepcopy(self.model).eval()
-            self.worker = None
-            self.rollout = Rollout(engine_model, self._stop_ids(), max_batch_size=64, seed=cfg.seed)
-            return
-        init_dir = self.run_dir / "rollout-init"  # the architecture and tokenizer the worker starts from
-        if not (init_dir / "config.json").is_file():
-            tmp = self.run_dir / ".rollout-init.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            if self.info.enabled:  # sharded: the architecture only, the first sync brings the weights
-                from k2_model import K2ForCausalLM
-
-                K2ForCausalLM(self.model.config).save_pretrained(str(tmp))
-            else:
-                self.model.save_pretrained(str(tmp))
-            self.tok.save(tmp)
-            os.replace(tmp, init_dir)
-        self.worker = RolloutWorker(
-            init_dir,
-            device=str(self.device),
-            threads=cfg.rollout_threads,
-            seed=cfg.seed,
-            log_path=self.run_dir / "rollout.log",
-        )
-        self.rollout = self.worker.start()
-        self.log(f"rollout worker: pid {self.worker.pid} at {self.rollout.url}")
-
-    def _stop_ids(self) -> list[int]:
-        return sorted({self.tok.eos_id, self.tok.token_to_id("<|im_end|>")})
-
-    def _init_ps(self) -> None:
-        self.ps = None
-        self.created_group = False
-        if self.worker is None and not self.info.enabled:  # the in-process engine
-            return
-        import torch.distributed as dist
-        from k2_ckpt import ParameterServer
-
-        from k2_rl.rollout import free_port
-
-        if not dist.is_initialized():  # a one-rank group for k2-ckpt's broadcast (its collectives)
-            dist.init_process_group(
-                "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-            )
-            self.created_group = True
-        self.ps = ParameterServer()
-
-    def _sync(self, tag: str) -> float:
-        """Push the policy into the rollout engine; returns the seconds it took."""
-        t0 = time.perf_counter()
-        # under FSDP2 a collective whose full dict lands on rank 0 (the others register nothing)
-        named = {k: v.detach().to("cpu") for k, v in dd.full_model_state_dict(self.model, self.info).items()}
-        if self.ps is None:  # in-process engine: copy between two engine steps
-            target = self.rollout.model
-            self.rollout.thread.call_between_steps(lambda: target.load_state_dict(named)).result()
-            return time.perf_counter() - t0
-        name = f"policy-{tag}"
-        self.ps.register_checkpoint(name, named_tensors=named)
-        req = self.rollout.req_func if self.info.is_main else _rank0_requests
-        try:
-            self.ps.update(name, req, ranks=[0])
-        finally:
-            self.ps.unregister_checkpoint(name)
-        return time.perf_counter() - t0
-
-    def _free_rollout_cache(self) -> dict[str, float]:
-        """Engine switching: with the policy on a GPU (or `free_rollout_cache="on"`) the rollout
-        engine gives its KV pool back before the trainer runs; the next rollout regrows it."""
-        mode = self.cfg.free_rollout_cache
-        if self.rollout is None or mode == "off" or (mode == "auto" and self.device.type != "cuda"):
-            return {}
-        t0 = time.perf_counter()
-        freed = self.rollout.free_cache_memory()
-        return {"rollout_cache_freed_mb": freed / 2**20, "rollout_cache_free_s": time.perf_counter() - t0}
-
-    def _generate(self, prompts: list[list[int]], **kw: Any) -> list[list[Sample]]:
-        """Generate, restarting a dead worker once (with the current policy) before reporting.
-        Under torchrun every rank enters (only rank 0's `prompts` count; the others get []), so
-        that they all join the re-sync when rank 0 had to restart the worker (in one process the
-        broadcast is a no-op)."""
-        out: list[list[Sample]] = []
-        restarted = False
-        if self.info.is_main:
-            try:
-                out = self.rollout.generate(prompts, **kw)
-            except Exception as e:
-                if self.worker is None or not self.worker.exited(within_s=5.0):
-                    raise
-                self.log(f"the rollout worker died ({e!r}); restarting it with the current policy")
-                self.rollout = self.worker.restart()
-                restarted = True
-        if not dd.broadcast_object(restarted, self.info):
-            return out
-        self._sync("restart")
-        return self.rollout.generate(prompts, **kw) if self.info.is_main else []
 
     # -------------------------------------------------------------- rewards and evaluation
     def _rewards(self, prompts: list[dict], samples: list[list[Sample]], seed: int = 0) -> _Rewards:
@@ -584,7 +467,8 @@ class _Loop:
             metrics.update({f"{name}_{k}": v for k, v in scores.stats.items()})
         raw = [r for g in grouped for r in g]
         truncated = [s.finish_reason == "length" for g in samples for s in g]
-        shaped = [r - (self.cfg.truncation_penalty if cut else 0.0) for r, cut in zip(raw, truncated)]
+        penalty = self.cfg.truncation_penalty
+        shaped = [budget_penalty(r, cut, penalty) for r, cut in zip(raw, truncated)]
         return _Rewards(shaped, raw, errors, texts, grouped, metrics)
 
     def _refine_critic(self, tasks: list[dict], scored: _Rewards, iteration: int) -> dict[str, Any]:
@@ -615,7 +499,7 @@ class _Loop:
         """Greedy held-out accuracy (every rank enters; rank 0's numbers, {} elsewhere)."""
         main = self.info.is_main
         prompts = [self.render(t["messages"]) for t in self.heldout] if main else []
-        samples = self._generate(
+        samples = self.engine.generate(
             prompts, n=1, temperature=0.0, max_tokens=self.cfg.max_response_tokens, seed=0
         )
         if not main:
@@ -632,8 +516,11 @@ class _Loop:
         from k2_rl.rewards.pool import RewardPool
 
         self._setup()
-        self._stop_set = set(self._stop_ids())
-        self.pool = self.worker = None
+        self.engine = PolicyEngine(
+            self.cfg, self.model, self.tok, self.info, self.device, self.run_dir, self.log
+        )
+        self._stop_set = set(self.engine.stop_ids)
+        self.pool = None
         if self.info.is_main:  # rewards are computed by rank 0 only
             self.pool = RewardPool(
                 self.cfg.reward_workers,
@@ -641,31 +528,21 @@ class _Loop:
                 preload=tuple(self.response_names),
             )
         try:
-            self._start_rollout()
+            self.engine.start()
             if self.group_names and self.info.is_main:
                 self._setup_group_rewards()
-            self._init_ps()
-            sync_s = self._sync(f"start-{self.it_state.iteration}")
+            sync_s = self.engine.sync(f"start-{self.it_state.iteration}")
             self.log(f"policy synced into the rollout engine in {sync_s:.2f} s")
             with self._sigint_finishes_iteration():
                 self._iterate()
         finally:
-            if getattr(self, "metrics", None) is not None:
+            if self.metrics is not None:
                 self.metrics.on_fit_end(self.trainer, None)
             if self.pool is not None:
                 self.pool.close()
-            if getattr(self, "critic", None) is not None:
+            if self.critic is not None:
                 self.critic.close()
-            if self.worker is not None:
-                self.worker.close()
-            elif getattr(self, "rollout", None) is not None:
-                self.rollout.close()
-            if getattr(self, "ps", None) is not None:
-                self.ps.close()
-            if getattr(self, "created_group", False):
-                import torch.distributed as dist
-
-                dist.destroy_process_group()
+            self.engine.close()
         try:
             return self._result()
         finally:
@@ -685,7 +562,7 @@ class _Loop:
             tasks = draw_prompts(self.tasks, cfg.prompts_per_iteration, cfg.seed, it) if main else []
             prompt_ids = [self.render(t["messages"]) for t in tasks]
             t0 = time.perf_counter()
-            samples = self._generate(
+            samples = self.engine.generate(
                 prompt_ids,
                 n=K,
                 temperature=temperature,
@@ -704,7 +581,7 @@ class _Loop:
                     "engine_logp": torch.tensor([sum(s.logprobs) for g in samples for s in g]),
                 }
             reward_s = time.perf_counter() - t0
-            switch_row = self._free_rollout_cache()
+            switch_row = self.engine.free_cache()
 
             t0 = time.perf_counter()
             payload = dd.broadcast_object(payload, info)
@@ -751,7 +628,7 @@ class _Loop:
             )
             train_s = time.perf_counter() - t0
 
-            sync_s = self._sync(str(it + 1))
+            sync_s = self.engine.sync(str(it + 1))
             self.it_state.iteration = it + 1
             done = it + 1
             evaluated = {}

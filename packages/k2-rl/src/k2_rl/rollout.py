@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from k2_ckpt.launch import free_port  # one definition for the project
 from pydantic import BaseModel, Field
 
 
@@ -259,12 +259,6 @@ class RolloutClient:
 
     def close(self) -> None:
         self.http.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RolloutWorker:

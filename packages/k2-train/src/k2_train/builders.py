@@ -105,8 +105,7 @@ def describe_attention(model: K2ForCausalLM, cfg: PretrainConfig, device: torch.
 
 def describe_ns_dtype(cfg: PretrainConfig, device: torch.device) -> str:
     """The Newton-Schulz dtype the run will use and why, for the start-up line."""
-    from k2_kernels import cpu_has_native_bf16
-    from k2_optim.muon import default_ns_dtype
+    from k2_optim.muon import cpu_has_native_bf16, default_ns_dtype
 
     if cfg.optimizer == "adamw":
         return "none (AdamW)"

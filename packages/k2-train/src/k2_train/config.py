@@ -1,17 +1,39 @@
 """Run configurations: one dataclass per task (pretraining, SFT), loadable from JSON/TOML,
-overridable by flags. `TrainConfig.trainer_config()` is the part the Trainer itself reads."""
+overridable by flags. `TrainConfig.trainer_config()` is the part the Trainer itself reads.
+
+Every field is declared with `option(default, help)`: its help text lives on the field (dataclass
+metadata), and the `k2` command generates one flag per field from it (`k2_stack.config_flags`),
+so a field cannot exist without a flag or a flag without a field."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 
 OPTIMIZERS = ("muonclip", "muon", "adamw")
 NS_DTYPES = ("auto", "fp32", "bf16")
 PACKINGS = ("stream", "whole")
+
+
+def option(
+    default: Any = MISSING,
+    help: str = "",
+    *,
+    default_factory: Any = MISSING,
+    choices: tuple[str, ...] | None = None,
+    flag: bool = True,
+) -> Any:
+    """A config field with its help text (and allowed values) in the field's metadata, which the
+    `k2` command's flags are generated from. `flag=False`: a field kept for stored configs only."""
+    if not help:
+        raise ValueError("option(): every config field needs its help text")
+    metadata = {"help": help, "choices": choices, "flag": flag}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 class RunConfig:
@@ -71,64 +93,97 @@ class RunConfig:
 @dataclass
 class PretrainConfig(RunConfig):
     # model
-    preset: str = "tiny"
-    model_overrides: dict[str, Any] = field(default_factory=dict)
+    preset: str = option("tiny", "model preset (tiny, kimi-k2, deepseek-v3)")
+    model_overrides: dict[str, Any] = option(
+        default_factory=dict,
+        help="K2Config fields over the preset, as JSON (e.g. '{\"n_routed_experts\": 64}')",
+    )
     # optimizer (K2 recipe: Muon with RMS matched to AdamW, weight decay 0.1, tau 100 at scale)
-    optimizer: str = "muonclip"
-    lr: float = 2e-2
+    optimizer: str = option("muonclip", "muonclip | muon | adamw", choices=OPTIMIZERS)
+    lr: float = option(
+        2e-2, "peak learning rate (Muon's, with RMS matched to AdamW; AdamW's for --optimizer adamw)"
+    )
     # With muon/muonclip: the AdamW learning rate of embeddings, LM head and 1-D parameters.
     # (At scale K2 shares one lr thanks to Muon's RMS matching; at this tiny scale an embedding
     # table at Muon's lr of ~1e-2 makes the loss spike, so it gets its own.) 0 = same as lr.
-    adamw_lr: float = 3e-3
-    weight_decay: float = 0.1
-    tau: float = 30.0
+    adamw_lr: float = option(
+        3e-3, "with muon/muonclip: AdamW lr of embeddings, head and 1-D params (0 = --lr)"
+    )
+    weight_decay: float = option(0.1, "decoupled weight decay")
+    tau: float = option(30.0, "QK-Clip threshold (also drawn on the max-logit plot of non-clipping runs)")
     # Newton-Schulz compute dtype: "auto" = bf16 where bf16 GEMMs are native (CUDA, CPUs with
     # AMX / AVX512-BF16), fp32 where bf16 is emulated (AVX2 CPUs, where it is ~30x slower)
-    ns_dtype: str = "auto"
-    grad_clip: float = 1.0
+    ns_dtype: str = option(
+        "auto",
+        "Newton-Schulz dtype: auto (bf16 where bf16 GEMMs are native, else fp32), fp32, bf16",
+        choices=NS_DTYPES,
+    )
+    grad_clip: float = option(1.0, "gradient-norm clip (0 = off)")
     # WSD schedule, as fractions of the run (warmup, then constant, then cosine to min_lr_ratio)
-    warmup_steps: int = 10
-    decay_fraction: float = 0.2
-    min_lr_ratio: float = 0.1
+    warmup_steps: int = option(10, "WSD warmup steps")
+    decay_fraction: float = option(0.2, "WSD: fraction of the run spent in the cosine decay")
+    min_lr_ratio: float = option(0.1, "WSD: the final lr as a fraction of the peak")
     # aux-loss-free balancing: the bias step per optimizer step
-    bias_update_speed: float = 1e-3
+    bias_update_speed: float = option(1e-3, "aux-loss-free balancing: the bias step per optimizer step")
     # batch: global batch in sequences; micro_batch sequences per forward (gradient accumulation)
-    steps: int = 200
-    batch: int = 8
-    micro_batch: int = 0  # 0 = the whole batch in one forward
-    seq_len: int = 256
+    steps: int = option(200, "optimizer steps")
+    batch: int = option(8, "global batch in sequences")
+    micro_batch: int = option(0, "sequences per forward (gradient accumulation); 0 = whole batch")
+    seq_len: int = option(256, "tokens per sequence")
     # data: None = the running interpreter's standard library source
-    data: str | None = None
-    tokenizer: str | None = None
-    max_corpus_mb: float = 0.0  # 0 = all of it
-    val_fraction: float = 0.02
+    data: str | None = option(
+        None,
+        "corpus file/dir or tokenized dir, or sources mixed by weight, e.g. raw:0.5,rephrased:0.5 (None: this Python's standard library source)",
+    )
+    tokenizer: str | None = option(None, "tokenizer dir (default: k2-data's bundled BPE)")
+    max_corpus_mb: float = option(0.0, "use only the first N MB of the default corpus (0 = all)")
+    val_fraction: float = option(0.02, "fraction of documents held out for the validation loss")
     # Attend only within each packed document, with positions restarting at its start.
-    document_mask: bool = False
+    document_mask: bool = option(
+        False, "attend only within each packed document (positions restart at its start)"
+    )
     # "stream": documents concatenated and cut into windows (every token a label once);
     # "whole": each sample holds whole documents only, padded (SFT conversations).
-    packing: str = "stream"
-    eval_every: int = 50
-    eval_batches: int = 4
+    packing: str = option(
+        "stream",
+        "stream (documents concatenated and cut into windows) or whole (whole documents per sample, padded)",
+        choices=PACKINGS,
+    )
+    eval_every: int = option(50, "validation loss every N steps (0 = off)")
+    eval_batches: int = option(4, "validation batches per evaluation")
     # run
-    out: str = "runs/pretrain"
-    save_every: int = 100
-    stop_at: int = 0  # stop (and checkpoint) after this step, as if interrupted; 0 = never
-    seed: int = 0
-    threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    out: str = option("runs/pretrain", "the run directory")
+    save_every: int = option(100, "save the train state every N steps (the last step is always saved)")
+    stop_at: int = option(0, "stop after this step and save the train state, as an interrupt would")
+    seed: int = option(0, "random seed (model init and data order)")
+    threads: int = option(0, "torch threads (0 = torch's default)")
     # Recompute activations in backward: "full" = every decoder layer, "selective" = every
     # other layer (torchtitan's layer-frequency SAC), "none".
-    activation_checkpointing: str = "none"
+    activation_checkpointing: str = option(
+        "none",
+        "recompute layers in backward: every layer (full), every other layer (selective) or none",
+        choices=("none", "full", "selective"),
+    )
     # "auto": k2_kernels' fused attention (max logits from the kernel, no score matrix) where a
     # compiled kernel serves the device, else SDPA/eager; or force "fused", "sdpa", "eager".
-    attention: str = "auto"
+    attention: str = option(
+        "auto",
+        "attention path: auto (the fused k2_kernels kernel where it serves the device), fused, sdpa or eager",
+        choices=("auto", "fused", "sdpa", "eager"),
+    )
     # After each step, re-run the step's first micro-batch (no grad) and log the max logit the
     # updated (clipped) weights give: `max_logit_after_clip`. Costs about a third of a step.
-    log_post_clip_logit: bool = False
-    dtype: str = "auto"  # auto: fp32 on CPU, bf16 on GPU
-    device: str = "auto"
+    log_post_clip_logit: bool = option(
+        False,
+        "After each step, re-run the step's first micro-batch (no grad) and log the max logit the updated (clipped) weights give: `max_logit_after_clip`. Costs about a third of a step.",
+    )
+    dtype: str = option(
+        "auto", "auto (fp32 on CPU, bf16 on GPU), fp32 or bf16", choices=("auto", "fp32", "bf16")
+    )
+    device: str = option("auto", "auto, cpu or cuda")
     # Expert parallelism under torchrun: routed experts split over this many ranks (each holds
     # n_routed_experts / ep whole experts; tokens reach them by all-to-all), FSDP2 over all ranks.
-    ep: int = 1
+    ep: int = option(1, "expert parallelism under torchrun: routed experts split over N ranks (FSDP2 x EP)")
 
     task = "pretrain"  # a class attribute: which entry point's config this is
 
@@ -185,20 +240,35 @@ class SFTConfig(PretrainConfig):
 
     # Start from these weights: an HF-format dir (`k2 export`, from_pretrained) or a k2 run dir
     # (its latest train state); None = a random init of `preset`.
-    init: str | None = None
+    init: str | None = option(
+        None,
+        "start from these weights: an HF-format dir (`k2 export`) or a k2 run dir (None: random init of --preset)",
+    )
     # data: None = the shipped tool-use example set (k2_data.examples.tooluse), generated once
-    data: str | None = None
-    packing: str = "whole"
-    document_mask: bool = True
-    seq_len: int = 1024  # two tool-use conversations (~510 tokens each) per sample
-    steps: int = 300
-    batch: int = 8
-    lr: float = 1e-2
-    adamw_lr: float = 3e-3
-    warmup_steps: int = 20
-    eval_every: int = 50
-    save_every: int = 100
-    val_fraction: float = 0.05
-    out: str = "runs/sft"
+    data: str | None = option(
+        None,
+        "chat JSONL/Parquet/Arrow (messages + tools) or a dir from `k2 data sft` (None: the shipped tool-use example set)",
+    )
+    packing: str = option(
+        "whole",
+        "stream (documents concatenated and cut into windows) or whole (whole documents per sample, padded)",
+    )
+    document_mask: bool = option(
+        True, "attend only within each packed document (positions restart at its start)"
+    )
+    seq_len: int = option(1024, "tokens per sequence")
+    steps: int = option(300, "optimizer steps")
+    batch: int = option(8, "global batch in sequences")
+    lr: float = option(
+        1e-2, "peak learning rate (Muon's, with RMS matched to AdamW; AdamW's for --optimizer adamw)"
+    )
+    adamw_lr: float = option(
+        3e-3, "with muon/muonclip: AdamW lr of embeddings, head and 1-D params (0 = --lr)"
+    )
+    warmup_steps: int = option(20, "WSD warmup steps")
+    eval_every: int = option(50, "validation loss every N steps (0 = off)")
+    save_every: int = option(100, "save the train state every N steps (the last step is always saved)")
+    val_fraction: float = option(0.05, "fraction of documents held out for the validation loss")
+    out: str = option("runs/sft", "the run directory")
 
     task = "sft"

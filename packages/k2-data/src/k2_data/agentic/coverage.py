@@ -3,7 +3,7 @@
     cov = plot_coverage(repo, "out/tool_coverage.png")   # {"points": [N, 2], "labels": [...], ...}
 
 Each tool is embedded as `NAME words: description` with the offline MiniLM embedder
-(`k2_data.rephrase.embed`, unit vectors), projected to 2-D with scikit-learn's PCA (deterministic: no
+(`k2_data.embed`, unit vectors), projected to 2-D with scikit-learn's PCA (deterministic: no
 t-SNE perplexity or seed to tune, and the axes mean the same across runs of one repository), and drawn
 with matplotlib's Agg backend in two panels: coloured by source (mcp / json / synthetic) and by domain
 (an MCP tool's server, a JSON file's stem, a synthetic tool's category).
@@ -36,7 +36,7 @@ def project_tools(entries: list[Any], embedder: Any = None) -> dict[str, Any]:
     from sklearn.decomposition import PCA
 
     if embedder is None:
-        from k2_data.rephrase.embed import load_embedder
+        from k2_data.embed import load_embedder
 
         embedder = load_embedder()
     labels = [{"name": e.name, "source": source_kind(e.source), "domain": domain_of(e)} for e in entries]

@@ -15,7 +15,7 @@ node is skipped and counted). Then:
   validator its `$schema` names, Draft 2020-12 by default) and be an object schema with a valid tool name
   (`tool_from_spec`); the rest are dropped and counted (`invalid_schema`, `invalid_spec`);
 - near-duplicates: `NAME words: description` of every tool is embedded with the offline MiniLM embedder
-  (`k2_data.rephrase.embed`), and a new tool whose cosine similarity to a tool already kept (the existing
+  (`k2_data.embed`), and a new tool whose cosine similarity to a tool already kept (the existing
   repository's first, then earlier synthetic ones, in generation order) is >= `dedup_threshold` is dropped
   and counted with the pair (`near_duplicates`); exact name clashes count as `name_duplicates`;
 - refill: while fewer than `n_tools` survive and `refill_rounds` remain, every domain is asked again for
@@ -291,7 +291,7 @@ async def evolve_tools(
         if not candidates:
             return []
         if embedder is None:
-            from k2_data.rephrase.embed import load_embedder
+            from k2_data.embed import load_embedder
 
             embedder = load_embedder()
         if not isinstance(embedder, CachedEmbedder):

@@ -1,6 +1,6 @@
 """A scripted OpenAI-protocol teacher for tests and offline dry runs of the agentic pipeline.
 
-`ScriptedTeacher()` is a `LoopbackServer` responder (`k2_data.rephrase.loopback`) that answers every stage
+`ScriptedTeacher()` is a `LoopbackServer` responder (`k2_data.loopback`) that answers every stage
 deterministically, by the stage tag of the system prompt (`k2_data.agentic.llm.TAGS`) or, for agent
 requests, by the `tools` they carry:
 - agent profile, tasks (expected tool = the set's first tool), tool simulator (`{"ok": true, ...}`),
@@ -29,7 +29,7 @@ from typing import Any
 
 from k2_data.agentic.evaluate import _args, calls_task, make_heldout_tasks
 from k2_data.agentic.llm import TAGS, extract_json
-from k2_data.rephrase.loopback import Reply
+from k2_data.loopback import Reply
 
 MARKERS = ("MALFORMED", "INVALID", "UNKNOWN", "REJECT", "GARBLED")
 

@@ -21,8 +21,6 @@ import asyncio
 import dataclasses
 import hashlib
 import json
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,6 +34,7 @@ from k2_data.rephrase import prompts as P
 from k2_data.rephrase.chunking import Chunk, approx_tokens, chunk_text, stitch
 from k2_data.rephrase.fidelity import AsyncSimilarity, FidelityConfig, FidelityReport, check
 from k2_data.rephrase.judge import judge as run_judge
+from k2_data.shards import atomic_json, write_table_atomic
 
 STATE_DIR = ".k2-rephrase"
 MAX_ROUNDS = 2  # K2: at most two rephrasings per corpus
@@ -225,23 +224,8 @@ def shard_name(index: int, fmt: str) -> str:
 
 def write_shard(rows: list[dict], path: Path, fmt: str, meta: dict) -> None:
     """Rows to `path` via a temporary file and a rename: a crash never leaves a half-written shard."""
-    table = pa.Table.from_pylist(rows, schema=SCHEMA).replace_schema_metadata(
-        {b"k2_data.rephrase": json.dumps(meta).encode()}
-    )
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    try:
-        if fmt == "parquet":
-            import pyarrow.parquet as pq
-
-            pq.write_table(table, tmp)
-        else:
-            with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-                writer.write_table(table)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    write_table_atomic(table, path, fmt, b"k2_data.rephrase", meta)
 
 
 def read_rows(out_dir: str | Path) -> list[dict]:
@@ -256,13 +240,6 @@ def read_rows(out_dir: str | Path) -> list[dict]:
             with pa.memory_map(str(path)) as src:
                 rows.extend(pa.ipc.open_file(src).read_all().to_pylist())
     return rows
-
-
-def _atomic_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False))
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -572,7 +549,7 @@ def _check_run_dir(
             p.unlink()
         for p in (out_dir / STATE_DIR / "journal").glob("*.jsonl"):
             p.unlink()
-    _atomic_json(path, run)
+    atomic_json(path, run)
 
 
 def rephrase(
@@ -601,7 +578,7 @@ def rephrase(
     _check_run_dir(out, config, shards, overwrite)
     embedder = None
     if config.fidelity.min_similarity > 0:
-        from k2_data.rephrase.embed import load_embedder
+        from k2_data.embed import load_embedder
 
         embedder = load_embedder()
     endpoint = _Endpoint(base_url, api_key, Path(cache) if cache else None, timeout_s, max_retries, backoff_s)
@@ -664,7 +641,7 @@ async def _arun(run: _Run) -> dict:
             await client.aclose()
     dt = time.perf_counter() - t0
     manifest = _manifest(out, config, counters, stats, run.skipped, dt, ep.base_url)
-    _atomic_json(out / STATE_DIR / "manifest.json", manifest)
+    atomic_json(out / STATE_DIR / "manifest.json", manifest)
     return manifest
 
 

@@ -6,7 +6,7 @@ pipeline's retries, cache hits and fidelity rejections can be asserted against w
 (`server.requests`). Plain asyncio streams, no web framework: k2-data stays free of server dependencies
 and one thread holds thousands of slow requests at once (the client benchmark needs 32+ in flight).
 
-    python -m k2_data.rephrase.loopback --latency-ms 200   # prints its base URL, echoes the last user turn
+    python -m k2_data.loopback --latency-ms 200   # prints its base URL, echoes the last user turn
 """
 
 from __future__ import annotations
