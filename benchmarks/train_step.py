@@ -17,35 +17,20 @@ the NS dtype k2 chose and the CPU's flags that decide it (bf16 NS only where bf1
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
 
 import torch
+from bench_common import cpu_flags, machine
 from k2_model import K2Config, K2ForCausalLM
 from k2_optim import MuonClip
 from k2_optim.muon import cpu_has_native_bf16, default_ns_dtype
 from k2_train import NextTokenLoss, Trainer, TrainerConfig
 
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 # With one torch thread the clock is this process's CPU time, which other jobs on a shared
 # machine do not inflate (set in main); otherwise wall time.
 clock = time.perf_counter
-
-
-def cpu_info() -> tuple[str, list[str]]:
-    name, flags = "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and name == "unknown CPU":
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return name, [f for f in FLAGS if f in flags]
 
 
 def bench_config(experts: int, top_k: int = 6, vocab: int = 1024) -> K2Config:
@@ -166,8 +151,7 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     opt_med = {k: statistics.median(v) for k, v in opt_times.items()}
 
-    cpu, flags = cpu_info()
-    print(f"machine: {cpu}, {os.cpu_count()} cores; flags: {' '.join(flags) or '-'}")
+    print(f"machine: {machine(load=True)}; flags: {' '.join(cpu_flags()) or '-'}")
     print(
         f"torch {torch.__version__}, threads {torch.get_num_threads()} "
         f"({'process CPU time' if clock is time.process_time else 'wall time'}); k2 NS dtype (library default): "
