@@ -175,7 +175,8 @@ class PretrainConfig(RunConfig):
     # updated (clipped) weights give: `max_logit_after_clip`. Costs about a third of a step.
     log_post_clip_logit: bool = option(
         False,
-        "After each step, re-run the step's first micro-batch (no grad) and log the max logit the updated (clipped) weights give: `max_logit_after_clip`. Costs about a third of a step.",
+        "after each step, log the max logit the clipped weights give on the step's first micro-batch "
+        "(max_logit_after_clip; costs about a third of a step)",
     )
     dtype: str = option(
         "auto", "auto (fp32 on CPU, bf16 on GPU), fp32 or bf16", choices=("auto", "fp32", "bf16")
