@@ -1,7 +1,6 @@
 """What `k2 pretrain` and `k2 sft` share: their flags (generated from the config's fields), config
-building (with resume rules), the
-progress display (a rich bar on a terminal, a plain line every few seconds elsewhere) and the
-summary. The loop itself is k2_train.run_training."""
+building (with resume rules), the progress display (a rich bar on a terminal, a plain line every
+few seconds elsewhere) and the summary. The loop itself is k2_train.run_training."""
 
 from __future__ import annotations
 
