@@ -82,3 +82,41 @@ def test_state_mismatch_is_refused(ds, small_dataset):
     assert list(two.sample_indices(two.step)) == [3 * 4 + 2, 3 * 4 + 3]
     with pytest.raises(ValueError, match="rank"):
         StatefulLoader(ds, batch_size=2, rank=2, world_size=2)
+
+
+def test_a_moved_corpus_keeps_its_identity_and_old_states_still_load(tmp_path):
+    """The same documents at another path (new file times) tokenize to the same content identity,
+    so a loader state written against one copy resumes against the other; a state keyed the way
+    earlier versions keyed it (the tokenization plan: paths and times) still loads too."""
+    import json
+    import os
+    import shutil
+
+    from k2_data import TokenizeConfig, tokenize_corpus
+
+    a = tmp_path / "a"
+    a.mkdir()
+    (a / "docs.jsonl").write_text(
+        "".join(json.dumps({"text": f"document {i} " * (i + 3)}) + "\n" for i in range(30))
+    )
+    b = tmp_path / "elsewhere" / "b"
+    shutil.copytree(a, b)
+    os.utime(b / "docs.jsonl", (1_000_000, 1_000_000))
+    cfg = TokenizeConfig(shard_bytes=400)
+    ma = tokenize_corpus([a / "docs.jsonl"], tmp_path / "tok_a", config=cfg)
+    mb = tokenize_corpus([b / "docs.jsonl"], tmp_path / "tok_b", config=cfg)
+    assert ma["plan_sha256"] != mb["plan_sha256"]  # the plan sees paths and times
+    assert ma["content_sha256"] == mb["content_sha256"] is not None
+    da, db = (PackedDataset(tmp_path / t, seq_len=16, seed=3) for t in ("tok_a", "tok_b"))
+    assert da.fingerprint() == db.fingerprint()
+    la = StatefulLoader(da, batch_size=2)
+    _take(la, 3)
+    state = la.state_dict()
+    lb = StatefulLoader(db, batch_size=2)
+    lb.load_state_dict(state)
+    assert _equal(next(la), next(lb))
+    legacy = dict(state, dataset=db._fingerprint(mb["plan_sha256"]))
+    StatefulLoader(db, batch_size=2).load_state_dict(legacy)  # what earlier versions stored
+    other = PackedDataset(tmp_path / "tok_b", seq_len=16, seed=4)  # another sample order: refused
+    with pytest.raises(ValueError, match="loader state is for dataset"):
+        StatefulLoader(other, batch_size=2).load_state_dict(state)

@@ -245,10 +245,13 @@ def test_whole_packing_determinism_fingerprint_and_errors(small_dataset):
         a.fingerprint() == b.fingerprint()
         and len({a.fingerprint(), c.fingerprint(), stream.fingerprint()}) == 3
     )
-    # stream packing keeps the fingerprint it had before packing modes existed (saved loader states stay valid)
+    # saved loader states stay valid: the fingerprint stream packing had before packing modes and
+    # content identities existed (keyed on the tokenization plan) is still accepted
     import hashlib
 
     key = [stream.manifest["plan_sha256"], 256, 1, "train", 0.0, False, True, stream.eos_id]
+    assert hashlib.sha256(repr(key).encode()).hexdigest()[:16] in stream.fingerprints()
+    key[0] = stream.manifest["content_sha256"]  # today's: the same key over the data's content
     assert stream.fingerprint() == hashlib.sha256(repr(key).encode()).hexdigest()[:16]
     # samples do not depend on which indices were asked for before (a fresh dataset, jumping ahead)
     late = len(a) + a.epoch_bounds(1)[1] + 2  # inside epoch 2

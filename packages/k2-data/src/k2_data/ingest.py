@@ -338,7 +338,25 @@ def _build_table(
 
 
 def _write_shard(table: pa.Table, path: Path, fmt: str, meta: dict) -> None:
+    meta["sha256"] = table_digest(table)  # the shard's content identity (manifest: content_sha256)
     write_table_atomic(table, path, fmt, _META_KEY, meta)
+
+
+def table_digest(table: pa.Table) -> str:
+    """sha256 of a shard's training content: token ids (and loss masks) with their row boundaries and
+    document ids. Source paths are left out, so a corpus moved or cloned elsewhere, with new paths
+    and file times, tokenizes to the same identity and a run's loader state still applies."""
+    h = hashlib.sha256()
+    for name in ("input_ids", "loss_mask", "doc_id"):
+        if name not in table.column_names:
+            continue
+        col = table.column(name).combine_chunks()
+        if isinstance(col, pa.ListArray):
+            h.update(np.asarray(col.offsets).astype(np.int64).tobytes())
+            col = col.flatten()
+        h.update(name.encode())
+        h.update(np.asarray(col.to_numpy(zero_copy_only=False)).tobytes())
+    return h.hexdigest()
 
 
 def read_shard_meta(path: str | Path) -> dict | None:
@@ -537,6 +555,8 @@ def _manifest(
         **extra,
         "inputs": inputs,
         "plan_sha256": run.plan_sha,
+        # the data's identity independent of paths and file times (None when a shard predates it)
+        "content_sha256": _content_digest(shards),
         "num_docs": sum(s["rows"] for s in shards),
         "num_tokens": sum(s["tokens"] for s in shards),
         "num_skipped": len(skipped),
@@ -547,6 +567,12 @@ def _manifest(
     }
     atomic_json(run.out / MANIFEST, manifest)
     return manifest
+
+
+def _content_digest(shards: list[dict]) -> str | None:
+    if not shards or any(not s.get("sha256") for s in shards):
+        return None
+    return hashlib.sha256("".join(s["sha256"] for s in shards).encode()).hexdigest()
 
 
 def tokenize_corpus(

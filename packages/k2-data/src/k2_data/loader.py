@@ -136,7 +136,8 @@ class StatefulLoader:
         for key in ("step", "batch_size", "world_size", "dataset"):
             if key not in state:
                 raise ValueError(f"loader state has no field {key!r}")
-        if state["dataset"] != self.dataset.fingerprint():
+        accepted = getattr(self.dataset, "fingerprints", lambda: {self.dataset.fingerprint()})()
+        if state["dataset"] not in accepted:
             raise ValueError(
                 f"loader state is for dataset {state['dataset']}, this loader reads {self.dataset.fingerprint()} "
                 "(different data, seq_len, seed or split)"

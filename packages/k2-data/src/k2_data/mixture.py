@@ -88,7 +88,15 @@ class MixedDataset:
         return self.sources[0].tokenizer_dir
 
     def fingerprint(self) -> str:
-        key = [s.fingerprint() for s in self.sources] + [self.weights.round(12).tolist(), self.seed, BLOCK]
+        return self._fingerprint([s.fingerprint() for s in self.sources])
+
+    def fingerprints(self) -> set[str]:
+        """The content-keyed fingerprint and the plan-keyed one earlier versions wrote."""
+        legacy = [min(s.fingerprints() - {s.fingerprint()} or {s.fingerprint()}) for s in self.sources]
+        return {self.fingerprint(), self._fingerprint(legacy)}
+
+    def _fingerprint(self, source_keys: list[str]) -> str:
+        key = [*source_keys, self.weights.round(12).tolist(), self.seed, BLOCK]
         return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
 
     def _block(self, b: int) -> np.ndarray:

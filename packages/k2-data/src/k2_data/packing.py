@@ -270,9 +270,19 @@ class PackedDataset:
         return self.source / TOKENIZER_SUBDIR
 
     def fingerprint(self) -> str:
-        """Identifies the sample sequence: a loader state is only valid for an equal fingerprint."""
+        """Identifies the sample sequence: a loader state is only valid for an equal fingerprint.
+        Keyed on the data's content (`content_sha256`), so a run resumes on the same corpus at
+        another path or on another machine."""
+        return self._fingerprint(self.manifest.get("content_sha256") or self.manifest["plan_sha256"])
+
+    def fingerprints(self) -> set[str]:
+        """Every fingerprint a loader state of this data may carry: the content-keyed one, and the
+        one keyed on the tokenization plan (paths and file times) that earlier versions wrote."""
+        return {self.fingerprint(), self._fingerprint(self.manifest["plan_sha256"])}
+
+    def _fingerprint(self, data_key: str) -> str:
         key = [
-            self.manifest["plan_sha256"],
+            data_key,
             self.seq_len,
             self.seed,
             self.split,
