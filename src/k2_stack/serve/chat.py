@@ -20,7 +20,15 @@ from typing import Any
 from k2_data.chat import ToolCallStreamParser, parse_tool_calls, render_ids
 from k2_model.engine import SamplingParams
 
-from k2_stack.serve.common import MAX_TOP_LOGPROBS, Piece, ServeContext, finish_reason, sse, usage
+from k2_stack.serve.common import (
+    MAX_TOP_LOGPROBS,
+    Piece,
+    ServeContext,
+    finish_reason,
+    sse,
+    usage,
+    usage_chunk,
+)
 from k2_stack.serve.protocol import APIError, ChatCompletionRequest
 
 
@@ -177,14 +185,9 @@ async def chat_events(ctx: ServeContext, plan: ChatPlan, pieces: AsyncIterator[P
             yield sse(_chunk(ctx, plan, p.index, {}, "tool_calls" if called else finish_reason(p.finish)))
     if req.stream_options and req.stream_options.include_usage:
         yield sse(
-            {
-                "id": plan.rid,
-                "object": "chat.completion.chunk",
-                "created": plan.created,
-                "model": ctx.model_name,
-                "choices": [],
-                "usage": usage(len(plan.prompt_ids), n_out),
-            }
+            usage_chunk(
+                "chat.completion.chunk", plan.rid, plan.created, ctx.model_name, len(plan.prompt_ids), n_out
+            )
         )
     yield sse("[DONE]")
 

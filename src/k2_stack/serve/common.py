@@ -137,6 +137,18 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def usage_chunk(obj: str, rid: str, created: int, model: str, prompt: int, completion: int) -> dict[str, Any]:
+    """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage(prompt, completion),
+    }
+
+
 def finish_reason(reason: str | None) -> str:
     return "length" if reason == "length" else "stop"
 
@@ -150,4 +162,5 @@ __all__ = [
     "piece_of",
     "sse",
     "usage",
+    "usage_chunk",
 ]

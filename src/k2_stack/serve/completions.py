@@ -15,7 +15,7 @@ from typing import Any
 
 from k2_model.engine import SamplingParams
 
-from k2_stack.serve.common import Piece, ServeContext, finish_reason, sse, usage
+from k2_stack.serve.common import Piece, ServeContext, finish_reason, sse, usage, usage_chunk
 from k2_stack.serve.protocol import APIError, CompletionRequest
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -119,14 +119,9 @@ async def completion_events(
                 )
     if req.stream_options and req.stream_options.include_usage:
         yield sse(
-            {
-                "id": plan.rid,
-                "object": "text_completion",
-                "created": plan.created,
-                "model": ctx.model_name,
-                "choices": [],
-                "usage": usage(plan.n_prompt_tokens, n_out),
-            }
+            usage_chunk(
+                "text_completion", plan.rid, plan.created, ctx.model_name, plan.n_prompt_tokens, n_out
+            )
         )
     yield sse("[DONE]")
 
