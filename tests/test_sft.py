@@ -180,3 +180,16 @@ def test_bad_data_and_init_are_one_line_errors(tmp_path, chats, capsys):
     )
     out = capsys.readouterr().out
     assert "skipped 1 bad record" in out and "bad.jsonl:4" in out and "wizard" in out
+
+
+def test_conversations_longer_than_seq_len_are_named_with_lengths_and_flag(tmp_path, chats, capsys):
+    """Conversations cut by --seq-len are reported at start with their lengths and the flag to
+    change; a batch left with nothing to train on says why instead of only "nothing to train on"."""
+    cfg = _config(tmp_path, chats, "short", seq_len=24, steps=1, eval_every=0)
+    code = main(["sft", "--config", str(cfg)])
+    text = capsys.readouterr()
+    text = " ".join((text.out + text.err).split())
+    assert "documents are longer than --seq-len 24" in text, text
+    assert "median" in text and "longest" in text and "keeps them whole" in text
+    if code != 0:  # every trained turn lay past the cut
+        assert code == 2 and "raise --seq-len" in text

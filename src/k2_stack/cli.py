@@ -9,7 +9,26 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to a flag's help unless the help already speaks of its default or
+    there is none worth showing (None, False, a suppressed default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default in (None, False, argparse.SUPPRESS)
+            or not action.option_strings
+            or action.nargs == 0
+        ):
+            return text
+        return f"{text} (default: {default})"
+
 
 # Subcommand modules, in the order `k2 --help` lists them.
 COMMANDS = ["model", "data", "pretrain", "sft", "rl", "export", "ckpt", "serve", "chat"]
@@ -30,9 +49,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Errors that mean "the input was wrong", not "k2 has a bug": one line naming what was wrong,
+# exit 2 (argparse's code for bad usage). K2_DEBUG=1 shows the traceback instead.
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except USER_ERRORS as e:
+        if os.environ.get("K2_DEBUG") == "1":
+            raise
+        print(f"k2 {args.command}: {e} (K2_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # commands that save on Ctrl-C handle it themselves
+        print(f"k2 {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

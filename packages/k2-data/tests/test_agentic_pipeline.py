@@ -158,3 +158,23 @@ def test_cli_runs_the_pipeline(tmp_path, capsys):
         capsys.readouterr().out
     )
     assert len(_lines(tmp_path / "o" / "sft.jsonl")) == 2
+
+
+def test_cli_fails_when_the_server_refuses_every_request(tmp_path, capsys):
+    """A wrong --model (404 on every request) ends in exit 1 with the server's error, and the CLI
+    does not suggest `k2 data sft` on the empty sft.jsonl."""
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+
+    def refuse(request: dict) -> Reply:
+        return Reply(status=404, body={"error": {"message": f"model {request['model']!r} does not exist"}})
+
+    with LoopbackServer(refuse) as server:
+        argv = ["--out", str(tmp_path / "o"), "--base-url", server.base_url, "--model", "wrongname"]
+        rc = agentic_main(
+            [*argv, "--no-mcp", "--tools-json", str(tools), "--agents", "1", "--tasks-per-agent", "2"]
+        )
+    out, err = capsys.readouterr()
+    assert rc == 1, out + err
+    assert "HTTP 404" in err and "wrongname" in err and "does not exist" in err
+    assert "k2 data sft" not in out and not (tmp_path / "o" / "sft.jsonl").exists()

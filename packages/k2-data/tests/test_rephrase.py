@@ -395,3 +395,40 @@ def test_fidelity_report_roundtrips_as_json():
     r = F.check(EIFFEL, "nothing")
     assert json.loads(json.dumps(r.as_dict()))["passed"] is False
     assert approx_tokens("a b c") == 4
+
+
+def test_cli_fails_when_the_server_refuses_every_request(tmp_path, corpus, capsys):
+    """A wrong --model (404 on every request) is a failed run: counted, shown, exit 1 with the
+    server's error, not "rejections: none" and exit 0."""
+    from k2_data.rephrase.cli import main
+
+    path, _ = corpus
+
+    def refuse(request: dict) -> Reply:
+        return Reply(status=404, body={"error": {"message": f"model {request['model']!r} not found"}})
+
+    with LoopbackServer(refuse) as server:
+        argv = [str(path), "--out", str(tmp_path / "out"), "--base-url", server.base_url]
+        code = main([*argv, "--model", "wrongname", "--no-progress", "--chunk-tokens", "64"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "chunk requests failed" in err and "wrongname" in err and "not found" in err
+    assert "requests failed: " in out and "rejections: request failed" in out
+    manifest = json.loads((tmp_path / "out" / ".k2-rephrase" / "manifest.json").read_text())
+    assert manifest["chunks_request_failed"] == manifest["chunks"] > 0
+
+
+def test_cli_names_unreadable_input_and_fails(tmp_path, capsys):
+    """Non-UTF-8 input is named with its line and byte (as `k2 data tokenize` names it); with
+    nothing left to rephrase the run fails."""
+    from k2_data.rephrase.cli import main
+
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("first line\ncaf\xe9 au lait\n".encode("latin-1"))
+    with LoopbackServer(lambda request: Reply(content="unused")) as server:
+        argv = [str(bad), "--out", str(tmp_path / "out"), "--base-url", server.base_url]
+        code = main([*argv, "--model", "m", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert f"skipped {bad}:2: not valid UTF-8 (byte 14)" in out
+    assert "no documents to rephrase" in err and "not valid UTF-8" in err

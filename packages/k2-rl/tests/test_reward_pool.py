@@ -107,7 +107,7 @@ def test_raising_reward_scores_zero_with_reported_error(pool: RewardPool) -> Non
 def test_unknown_reward_and_bad_task_are_reported(pool: RewardPool) -> None:
     result = pool.compute("no-such-reward", [("p", "r", {})])
     assert result.rewards == [0.0]
-    assert result.errors[0].startswith("error: KeyError: \"unknown reward 'no-such-reward'")
+    assert result.errors[0].startswith("error: UnknownRewardError: unknown reward 'no-such-reward'")
     result = pool.compute("math", [("p", r"\boxed{1}", {})])
     assert result.rewards == [0.0]
     assert "task needs an 'answer' field" in result.errors[0]

@@ -15,9 +15,15 @@ import json
 import sys
 from typing import Any, TextIO
 
+from k2_stack.cli import DefaultsHelpFormatter
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("chat", help="interactive terminal chat with a model (local or a k2 serve URL)")
+    p = subparsers.add_parser(
+        "chat",
+        help="interactive terminal chat with a model (local or a k2 serve URL)",
+        formatter_class=DefaultsHelpFormatter,
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="HF-format model directory (e.g. from `k2 export`)")
     src.add_argument("--preset", help="a K2Config preset with random weights (e.g. tiny)")
@@ -26,12 +32,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--tools", default=None, help="JSON file with a list of OpenAI tool definitions")
     p.add_argument("--tool-choice", default=None, help="auto | required | none | a function name")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)")
     p.add_argument(
         "--seed", type=int, default=None, help="sampling seed (also the preset's weights seed locally)"
     )
-    p.add_argument("--device", default=None, help="local model device (cpu | cuda)")
+    p.add_argument(
+        "--device", default=None, help="local model device: cpu or cuda[:N] (default: as k2 serve chooses)"
+    )
     p.set_defaults(func=run)
 
 

@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         console.print(f"[red]k2 rl: {e}[/red]", soft_wrap=True)
         return 2
+    for warning in cfg.warnings():
+        console.print(f"[yellow]k2 rl: warning: {warning}[/yellow]", soft_wrap=True)
     t_start = time.monotonic()
 
     def on_iteration(row: dict) -> None:

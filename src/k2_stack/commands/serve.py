@@ -5,16 +5,22 @@ from __future__ import annotations
 import argparse
 import sys
 
+from k2_stack.cli import DefaultsHelpFormatter
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("serve", help="OpenAI-compatible server (chat, completions, tool calls)")
+    p = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible server (chat, completions, tool calls)",
+        formatter_class=DefaultsHelpFormatter,
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
         "--model", help="HF-format model directory (config.json + safetensors, e.g. from `k2 export`)"
     )
     src.add_argument("--preset", help="a K2Config preset with random weights (e.g. tiny), for tests")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (0: any free port)")
     p.add_argument(
         "--served-model-name", default=None, help="model id (default: the preset or directory name)"
     )
@@ -88,13 +94,36 @@ def check_args(args: argparse.Namespace) -> str | None:
     ):
         if value is not None and value < low:
             return f"argument {flag}: must be >= {low}, got {value}"
-    if args.device is not None and args.device.split(":")[0] not in {"cpu", "cuda"}:
-        return f"argument --device: expected cpu or cuda[:N], got {args.device!r}"
+    if args.device is not None:
+        from k2_model.device import pick_device
+
+        try:
+            pick_device(args.device)
+        except ValueError as e:
+            return f"argument {e}"
+    return None
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why uvicorn could not listen on host:port (checked before the model loads), or None."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return f"argument --host: cannot resolve {host!r} ({e.strerror})"
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return f"argument --port: cannot listen on {host}:{port} ({e.strerror}); is another server running there? choose another --port"
     return None
 
 
 def run(args: argparse.Namespace) -> int:
-    problem = check_args(args)
+    problem = check_args(args) or port_problem(args.host, args.port)
     if problem:
         return _fail(problem)
     import logging

@@ -61,6 +61,12 @@ def resumed_config(run_dir: Path, config_cls: type, overrides: dict[str, Any], m
             f"--resume {run_dir}: that is a `k2 {stored_task}` run; resume it with `k2 {stored_task}`"
         )
     cfg = config_cls.from_dict(stored, source=str(saved))
+    out = overrides.get("out")
+    if out is not None and Path(out).resolve() != run_dir.resolve():
+        raise ValueError(
+            f"--resume {run_dir} continues in {run_dir}; --out {out} names another directory. "
+            f"Drop --out, or copy the run first (cp -r {run_dir} {out}) and resume that"
+        )
     changed = [
         f"--{k.replace('_', '-')} {v} (the run has {get_flat(cfg, k)})"
         for k, v in overrides.items()
@@ -155,6 +161,8 @@ def run(args: argparse.Namespace, config_cls: type) -> int:
     except (ValueError, FileNotFoundError) as e:
         console.print(f"[red]k2 {task}: {e}[/red]", soft_wrap=True)
         return 2
+    for warning in cfg.warnings():
+        console.print(f"[yellow]k2 {task}: warning: {warning}[/yellow]", soft_wrap=True)
     callbacks: list = []
     if not args.json:
         callbacks.append(

@@ -177,9 +177,15 @@ def build_bridge(
 
     if (model_dir is None) == (preset is None):
         raise ValueError("k2 serve: give exactly one of --model DIR or --preset NAME")
+    from k2_model.device import pick_device
+
     if preset is not None:
+        from k2_model.memory import check_fits
+
+        config = K2Config.preset(preset)
+        check_fits(config, f"--preset {preset}", weight_bytes=4)  # random init in fp32 on the CPU
         torch.manual_seed(seed)
-        model = K2ForCausalLM(K2Config.preset(preset)).to(device or "cpu")
+        model = K2ForCausalLM(config).to(pick_device(device or "cpu"))
         tokenizer = load_tokenizer()
         name = served_model_name or preset
     else:
@@ -196,8 +202,8 @@ def build_bridge(
             )
         if not (d / "config.json").is_file():
             raise FileNotFoundError(f"--model {d}: no config.json (expected an HF-format export)")
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = torch.float32 if torch.device(device).type == "cpu" else None
+        device = pick_device(device)
+        dtype = torch.float32 if device.type == "cpu" else None
         model = K2ForCausalLM.from_pretrained(str(d), dtype=dtype, device=device)
         has_tok = (d / "tokenizer.json").is_file() or (d / "tiktoken.model").is_file()
         tokenizer = load_tokenizer(d if has_tok else None)

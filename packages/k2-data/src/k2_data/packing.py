@@ -262,6 +262,11 @@ class PackedDataset:
         if self._index.manifest["plan_sha256"] != self.manifest["plan_sha256"]:
             raise ValueError(f"{self.source} changed since this dataset was opened")
 
+    @property
+    def document_lengths(self) -> np.ndarray:
+        """Tokens of each document of this split (EOS not counted), in corpus order."""
+        return self._doc_len_N
+
     def __len__(self) -> int:
         return self._len
 

@@ -141,6 +141,10 @@ class RLConfig(RunConfig):
     task = "rl"
 
     def validate(self) -> None:
+        from k2_model.device import DEVICE_CHOICES, device_name_ok
+
+        from k2_rl.rewards.base import known_rewards, reward_known
+
         def need(cond: bool, name: str, what: str) -> None:
             if not cond:
                 raise ValueError(f"rl config: {name}={getattr(self, name)!r}: expected {what}")
@@ -190,6 +194,10 @@ class RLConfig(RunConfig):
             "critic_url",
             "an http(s):// API root or 'policy'",
         )
+        need(self.threads >= 0, "threads", ">= 0 (0 = torch's default)")
+        need(self.rollout_threads >= 0, "rollout_threads", ">= 0 (0 = torch's default)")
+        need(device_name_ok(self.device), "device", DEVICE_CHOICES)
+        need(reward_known(self.reward), "reward", f"one of {', '.join(known_rewards())} or MODULE:NAME")
 
     # the fields k2-train's builders read
     @property

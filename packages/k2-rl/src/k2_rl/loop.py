@@ -214,11 +214,9 @@ class _Loop:
         from k2_rl.tasks import read_tasks, write_addition_dataset
 
         cfg, run_dir = self.cfg, self.run_dir
-        self.device = torch.device(
-            "cuda"
-            if cfg.device == "auto" and torch.cuda.is_available()
-            else ("cpu" if cfg.device == "auto" else cfg.device)
-        )
+        from k2_model.device import pick_device
+
+        self.device = pick_device(cfg.device)
         self.info = info = dd.init_distributed(self.device.type)
         if self.device.type == "cuda" and info.enabled:
             self.device = torch.device("cuda", info.local_rank)

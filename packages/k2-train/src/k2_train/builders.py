@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 from k2_model import K2Config, K2ForCausalLM
+from k2_model.device import pick_device
 from k2_optim import MuonClip, wsd_schedule
 from torch import nn
 
@@ -14,10 +15,7 @@ from k2_train.config import PretrainConfig
 
 
 def resolve_device(cfg: PretrainConfig) -> tuple[torch.device, torch.dtype]:
-    if cfg.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(cfg.device)
+    device = pick_device(cfg.device)
     if cfg.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     else:
@@ -83,6 +81,10 @@ def build_model(cfg: PretrainConfig, vocab_size: int, device: torch.device) -> K
             f"{where} has vocab_size={config.vocab_size}, smaller than the tokenizer's {vocab_size}; "
             "set model_overrides.vocab_size (or use the tokenizer the model was trained with)"
         )
+    from k2_model.memory import check_fits
+
+    where = f"--init {cfg.init}" if getattr(cfg, "init", None) else f"--preset {cfg.preset}"
+    check_fits(config, where, weight_bytes=4, training=True)  # built in fp32 on the CPU first
     torch.manual_seed(cfg.seed)
     model = K2ForCausalLM(config)
     if getattr(cfg, "init", None):

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from k2_model.device import DEVICE_CHOICES, device_name_ok
 
 OPTIMIZERS = ("muonclip", "muon", "adamw")
 NS_DTYPES = ("auto", "fp32", "bf16")
@@ -36,6 +40,32 @@ def option(
     return field(default=default, metadata=metadata)
 
 
+def _type_problem(value: Any, annotation: Any) -> str | None:
+    """None when `value` (read from a JSON/TOML file) fits the field's annotation, else the
+    expected type in words. An int is a fine float; a bool is not an int."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        problems = [_type_problem(value, a) for a in options if a is not type(None)]
+        if any(p is None for p in problems):
+            return None
+        return " or ".join(problems) + (" or null" if type(None) in options else "")
+    base = origin or annotation
+    if base is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif base is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif base in (str, bool, dict, list):
+        ok = isinstance(value, base)
+    else:  # a type this check does not know: left to the config's validate()
+        return None
+    words = {float: "a number", int: "an integer", str: "a string", bool: "true or false",
+             dict: "a table/object", list: "a list"}  # fmt: skip
+    return None if ok else words[base]
+
+
 class RunConfig:
     """What every run config shares (a dataclass with a class attribute `task`): `to_dict`, and
     `from_dict` / `from_file` (JSON or TOML, optionally under a `[task]` table) that name unknown
@@ -54,6 +84,11 @@ class RunConfig:
             raise ValueError(
                 f"{source}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             )
+        hints = typing.get_type_hints(cls)
+        for name, value in d.items():
+            expected = _type_problem(value, hints[name])
+            if expected:
+                raise ValueError(f"{source}: {name} = {value!r}: expected {expected}")
         return cls(**d)
 
     @classmethod
@@ -72,6 +107,10 @@ class RunConfig:
         except ValueError as e:  # json.JSONDecodeError and tomllib.TOMLDecodeError are ValueErrors
             raise ValueError(f"{p}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from e
         return cls.from_dict(d.get(cls.task, d), source=str(p))
+
+    def warnings(self) -> list[str]:
+        """Settings that are allowed but almost certainly not what was meant (printed at start)."""
+        return []
 
     def validate_layout(self, world_size: int, n_routed_experts: int) -> None:
         """`ep` against the process count and the model (known once the run has started)."""
@@ -218,6 +257,18 @@ class PretrainConfig(RunConfig):
         need(self.packing in PACKINGS, "packing", " or ".join(PACKINGS))
         need(self.stop_at >= 0, "stop_at", ">= 0")
         need(self.ep >= 1, "ep", ">= 1")
+        need(self.threads >= 0, "threads", ">= 0 (0 = torch's default)")
+        need(self.warmup_steps >= 0, "warmup_steps", ">= 0")
+        need(device_name_ok(self.device), "device", DEVICE_CHOICES)
+
+    def warnings(self) -> list[str]:
+        out = super().warnings()
+        if self.warmup_steps >= self.steps:
+            out.append(
+                f"warmup_steps={self.warmup_steps} >= steps={self.steps}: the learning rate is still "
+                "warming up when the run ends (it never reaches --lr)"
+            )
+        return out
 
     def trainer_config(self):
         from k2_train.trainer import TrainerConfig

@@ -120,6 +120,8 @@ def _run(
     train_ds, val_ds = build_datasets(cfg, tokenized)
     if val_ds is None and cfg.eval_every:
         log(f"no held-out documents at val_fraction={cfg.val_fraction}: validation is off")
+    if info.is_main:
+        _report_truncated(train_ds, cfg, log)
     if info.is_main and not (run_dir / "tokenizer").exists():
         shutil.copytree(train_ds.tokenizer_dir, run_dir / "tokenizer")
     loader = build_loader(train_ds, per_rank, rank=info.rank, world_size=info.world_size)
@@ -223,6 +225,27 @@ def _describe_data(cfg: PretrainConfig, tokenized: Path | list[Path]) -> str:
         return str(tokenized)
     weights = [w for _, w in mixture_sources(cfg) or []]
     return "mix of " + ", ".join(f"{t} ({w:g})" for t, w in zip(tokenized, weights))
+
+
+def truncation_note(dataset, seq_len: int) -> str | None:
+    """A line about documents longer than `seq_len` under whole-document packing (cut at
+    seq_len: with SFT data, turns past the cut are not trained), or None when none are."""
+    cut = getattr(dataset, "num_truncated", 0)
+    if not cut:
+        return None
+    lengths = sorted(int(n) for n in dataset.document_lengths)
+    median, longest = lengths[len(lengths) // 2], lengths[-1]
+    return (
+        f"{cut} of {dataset.num_docs} documents are longer than --seq-len {seq_len} "
+        f"(median {median}, longest {longest} tokens) and are cut at {seq_len} tokens: what lies "
+        f"past the cut is not trained on; --seq-len {longest} keeps them whole"
+    )
+
+
+def _report_truncated(dataset, cfg: PretrainConfig, log: Callable[[str], None]) -> None:
+    note = truncation_note(dataset, cfg.seq_len)
+    if note:
+        log(f"warning: {note}")
 
 
 def _report_skipped(tokenized: Path, log: Callable[[str], None], show: int = 10) -> None:

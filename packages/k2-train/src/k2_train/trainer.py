@@ -147,7 +147,10 @@ class Trainer:
         }
         if all(t <= 0 for t in totals.values()):
             raise ValueError(
-                f"step {self.step + 1}: the batch has nothing to train on (loss weight 0 on every rank)"
+                f"step {self.step + 1}: the batch has nothing to train on (loss weight 0 on every "
+                "rank: no token of it is a training target). With chat data this means the trained "
+                "turns lie past --seq-len: raise --seq-len (the start-up lines say how long the "
+                "conversations are)"
             )
         scales = {n: info.world_size * coefs.get(n, 1.0) / totals[n] if totals[n] > 0 else 0.0 for n in names}
         sums = dict.fromkeys(names, 0.0)

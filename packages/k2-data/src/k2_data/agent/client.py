@@ -230,6 +230,7 @@ class ClientStats:
     completion_tokens: int = 0
     in_flight: int = 0  # POSTs awaiting an answer now
     max_in_flight: int = 0
+    first_error: str | None = None  # the first failed call's error (the server's answer)
 
     @property
     def hit_rate(self) -> float:
@@ -300,8 +301,9 @@ class AsyncHTTPChatClient(_Base):
                     response = await self._post(request, self._pools[pool])
                 finally:
                     self._slots.put_nowait(pool)
-        except EndpointError:
+        except EndpointError as e:
             self.stats.failures += 1
+            self.stats.first_error = self.stats.first_error or str(e)
             raise
         usage = response.get("usage") or {}
         self.stats.prompt_tokens += int(usage.get("prompt_tokens") or 0)

@@ -201,6 +201,21 @@ def run(args: argparse.Namespace) -> int:
     if held_line:
         print(held_line)
     print(json.dumps(summary["counters"]))
+    client = summary.get("client") or {}
+    if client.get("failures"):
+        print(
+            f"{client['failures']} of {client['calls']} requests failed (first: {client.get('first_error')})"
+        )
+    if summary["accepted"] == 0:
+        why = (
+            f"the server refused requests: {client.get('first_error')}"
+            if client.get("failures")
+            else f"the judge accepted none of {summary['trajectories']} trajectories (see {args.out / 'trajectories.jsonl'})"
+        )
+        print(
+            f"error: no trajectory was accepted, so {args.out / 'sft.jsonl'} is empty; {why}", file=sys.stderr
+        )
+        return 1
     print(f"wrote {args.out} (sft.jsonl: `k2 data sft {args.out / 'sft.jsonl'} --out DIR`)")
     return 0
 

@@ -91,6 +91,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overwrite", action="store_true", help="discard shards of an earlier run with other settings"
     )
+    p.add_argument(
+        "--max-failed-fraction",
+        type=float,
+        default=0.1,
+        help="exit 1 when more than this fraction of this run's chunk requests failed (4xx: wrong "
+        "--model, a refused request); the source text is kept for them (default 0.1)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
 
@@ -124,6 +131,10 @@ def run(args: argparse.Namespace) -> int:
             tokenizer=args.tokenizer,
         )
         config.validate()
+        if not 0 <= args.max_failed_fraction <= 1:
+            raise ValueError(
+                f"--max-failed-fraction {args.max_failed_fraction}: expected a fraction in [0, 1]"
+            )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -157,7 +168,29 @@ def run(args: argparse.Namespace) -> int:
     else:
         _summary(manifest)
     print(f"wrote {args.out}")
+    problem = run_problem(manifest, args.max_failed_fraction)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
     return 0
+
+
+def run_problem(m: dict, max_failed_fraction: float) -> str | None:
+    """Why a finished run is a failure (nothing was read, or too many requests failed), or None."""
+    skipped = m.get("skipped") or []
+    if m["documents"] == 0:
+        why = "; ".join(f"{r['file']}:{r['where']}: {r['reason']}" for r in skipped[:3])
+        return "no documents to rephrase" + (
+            f" ({len(skipped)} input record(s) skipped: {why})" if why else ""
+        )
+    requested = m["chunks"] - m["chunks_resumed"]
+    failed = m.get("chunks_request_failed", 0)
+    if requested > 0 and failed > max_failed_fraction * requested:
+        return (
+            f"{failed} of {requested} chunk requests failed (more than --max-failed-fraction "
+            f"{max_failed_fraction}); the server said: {m.get('first_request_error')}"
+        )
+    return None
 
 
 def _summary(m: dict) -> None:
@@ -170,6 +203,12 @@ def _summary(m: dict) -> None:
         ("chunks", f"{m['chunks']} ({m['chunks_resumed']} from the journal)"),
         ("accepted first try / final", f"{pct(m['pass_rate_first_attempt'])} / {pct(m['pass_rate_final'])}"),
         ("kept source text", str(m["chunks_kept_source"])),
+        (
+            "requests failed",
+            f"{m.get('chunks_request_failed', 0)}"
+            + (f" (first: {m['first_request_error']})" if m.get("first_request_error") else ""),
+        ),
+        ("input records skipped", str(len(m.get("skipped") or []))),
         ("rejections", ", ".join(f"{k} {v}" for k, v in m["rejections"].items()) or "none"),
         ("similarity mean", "-" if m["similarity_mean"] is None else f"{m['similarity_mean']:.3f}"),
         (
@@ -186,6 +225,8 @@ def _summary(m: dict) -> None:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:>{width}}: {v}")
+    for rec in (m.get("skipped") or [])[:10]:
+        print(f"skipped {rec['file']}:{rec['where']}: {rec['reason']}")
 
 
 def main(argv: list[str] | None = None) -> int:

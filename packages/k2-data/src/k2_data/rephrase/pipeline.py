@@ -256,6 +256,7 @@ class Counters:
     chunks_first_try: int = 0  # accepted at attempt 1
     chunks_kept_source: int = 0
     chunks_request_failed: int = 0
+    first_request_error: str | None = None  # the server's answer to the first failed request
     attempts: int = 0
     rejections: dict[str, int] = field(default_factory=dict)  # reason kind -> count
     similarity_sum: float = 0.0
@@ -426,6 +427,8 @@ class Rephraser:
                 if e.status is None or e.status >= 500 or e.status == 429:
                     raise  # the endpoint is down: stop (the run resumes where it stopped)
                 c.chunks_request_failed += 1
+                c.first_request_error = c.first_request_error or str(e)
+                c.rejections["request failed"] = c.rejections.get("request failed", 0) + 1
                 attempts.append({"attempt": attempt, "passed": False, "reasons": [f"request failed: {e}"]})
                 break  # a 4xx for this request will not change on a resample
             choice = resp["choices"][0]
@@ -664,6 +667,7 @@ def _manifest(
         "chunks_accepted": c.chunks_accepted,
         "chunks_kept_source": c.chunks_kept_source,
         "chunks_request_failed": c.chunks_request_failed,
+        "first_request_error": c.first_request_error,
         "pass_rate_first_attempt": c.chunks_first_try / new_chunks if new_chunks else None,
         "pass_rate_final": c.chunks_accepted / new_chunks if new_chunks else None,
         "attempts": c.attempts,

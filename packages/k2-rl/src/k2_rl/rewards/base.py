@@ -188,8 +188,7 @@ def get_reward(name: str) -> Any:
         if name not in _REGISTRY and name in _BUILTIN_MODULES:
             importlib.import_module(_BUILTIN_MODULES[name])
         if name not in _REGISTRY:
-            known = sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
-            raise KeyError(f"unknown reward {name!r}; registered rewards: {known}")
+            raise UnknownRewardError(name)
         obj = _REGISTRY[name]
     if isinstance(obj, type):
         obj = obj()
@@ -205,9 +204,30 @@ def lookup_reward(name: str) -> Any:
     if name not in _REGISTRY and name in _BUILTIN_MODULES:
         importlib.import_module(_BUILTIN_MODULES[name])
     if name not in _REGISTRY:
-        known = sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
-        raise KeyError(f"unknown reward {name!r}; registered rewards: {known}")
+        raise UnknownRewardError(name)
     return _REGISTRY[name]
+
+
+class UnknownRewardError(KeyError, ValueError):
+    """A reward name nobody registered: a KeyError for lookups, a ValueError for the CLI's
+    one-line error; the message names the known rewards."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+    def __str__(self) -> str:
+        return f"unknown reward {self.name!r}; registered rewards: {', '.join(known_rewards())}"
+
+
+def known_rewards() -> list[str]:
+    """Names `get_reward` accepts without an import spec (registered or built in)."""
+    return sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
+
+
+def reward_known(name: str) -> bool:
+    """Whether `name` is a registered or built-in reward, or an import spec (checked when loaded)."""
+    return ":" in name or name in _REGISTRY or name in _BUILTIN_MODULES
 
 
 def is_group_reward(name: str) -> bool:
