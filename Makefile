@@ -20,7 +20,7 @@ help:
 	@echo "make test    set up .venv if needed, then run the CPU test suite"
 	@echo "make sft-demo  SFT the tiny K2 on the shipped tool-use set (k2 sft), into runs/sft-<time>"
 	@echo "make rl-demo   SFT on worked additions, then k2 rl (K1.5 objective) from it, into runs/rl-<time>"
-	@echo "make serve   set up .venv if needed, then k2 serve --preset tiny on localhost:8000"
+	@echo "make serve   set up .venv if needed, then k2 serve --preset tiny on localhost:8000 (SERVE_PORT=N for another)"
 	@echo "make stats   the K2 vs DeepSeek-V3 cost model (k2 model stats)"
 	@echo "make wheels  every package's wheel into dist/ (k2-kernels manylinux-tagged)"
 	@echo "make lint    ruff check + ruff format --check"
@@ -78,7 +78,9 @@ rl-demo: $(STAMP)
 	$(VENV)/bin/k2 rl --init $(RL_OUT)/sft --tasks $(RL_OUT)/data/rl.jsonl --heldout $(RL_OUT)/data/heldout.jsonl $(RL_FLAGS) --out $(RL_OUT)/rl
 
 # An OpenAI-compatible server on loopback with the tiny preset's random weights (Ctrl-C stops it).
-SERVE_FLAGS ?= --preset tiny --port 8000
+# Another port: `make serve SERVE_PORT=8001`.
+SERVE_PORT  ?= 8000
+SERVE_FLAGS ?= --preset tiny --port $(SERVE_PORT)
 serve: $(STAMP)
 	$(VENV)/bin/k2 serve $(SERVE_FLAGS)
 

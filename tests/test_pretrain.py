@@ -328,3 +328,35 @@ def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path, corpus):
     assert "val " in lines[-1]  # the evaluation step shows the held-out loss
     first_loss = float(lines[0].split("loss ")[1].split()[0])
     assert first_loss == pytest.approx(_losses(tmp_path / "run")[0], abs=1e-4)
+
+
+def _lrs(run: Path) -> list[float]:
+    return [r["lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def test_resume_extends_a_run_and_says_what_the_lr_does(tmp_path, corpus, capsys):
+    """`--resume RUN --steps N` extends a run. Inside the stable phase the extension is the N-step
+    run exactly; past a decay already taken it is refused until --schedule-steps says what the lr
+    does: hold the finished schedule's final lr, or re-warm to the N-step schedule."""
+    cfg = dict(steps=8, warmup_steps=1, decay_fraction=0.5, eval_every=0)
+    # stopped at step 2 of 8 (decay from step 4): extending to 12 (decay from 6) changes no lr taken
+    run_pretrain(_cfg(tmp_path, corpus, out=str(tmp_path / "ext"), stop_at=2, **cfg))
+    assert main(["pretrain", "--resume", str(tmp_path / "ext"), "--steps", "12", "--json"]) == 0
+    run_pretrain(_cfg(tmp_path, corpus, out=str(tmp_path / "whole"), **{**cfg, "steps": 12}))
+    assert _losses(tmp_path / "ext") == _losses(tmp_path / "whole")  # the 12-step run, exactly
+    assert _lrs(tmp_path / "ext") == _lrs(tmp_path / "whole")
+
+    # a finished 8-step run has decayed: extending needs --schedule-steps
+    run_pretrain(_cfg(tmp_path, corpus, out=str(tmp_path / "done"), **cfg))
+    capsys.readouterr()
+    assert main(["pretrain", "--resume", str(tmp_path / "done"), "--steps", "12"]) == 2
+    err = " ".join(capsys.readouterr().out.split())
+    assert "--schedule-steps 8 keeps the finished schedule" in err and "--schedule-steps 12 re-warms" in err
+    before = _lrs(tmp_path / "done")
+    assert (
+        main(["pretrain", "--resume", str(tmp_path / "done"), "--steps", "12", "--schedule-steps", "8"]) == 0
+    )
+    lrs = _lrs(tmp_path / "done")
+    assert lrs[:8] == before and lrs[8:] == pytest.approx([1e-2 * 0.1] * 4)  # held at min_lr_ratio x lr
+    # shortening is refused
+    assert main(["pretrain", "--resume", str(tmp_path / "done"), "--steps", "10"]) == 2

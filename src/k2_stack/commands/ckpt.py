@@ -133,33 +133,25 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _print_table(res: dict) -> None:
+    """One row per measure (a wide table's headers get cut to "bucke..." on an 80-column terminal)."""
     from rich.console import Console
     from rich.table import Table
 
     t = Table(title="k2 ckpt bench (same run)")
-    for col in (
-        "ranks",
-        "MiB",
-        "buckets",
-        "update s",
-        "update GB/s",
-        "raw bcast GB/s",
-        "ratio (best)",
-        "ratio (median)",
-        "verified",
+    t.add_column("measure")
+    t.add_column("value", justify="right")
+    for name, value in (
+        ("ranks", str(res["ranks"])),
+        ("MiB", f"{res['size_mb']:.0f}"),
+        ("buckets", str(res["num_buckets"])),
+        ("update s", f"{res['update_s']:.3f}"),
+        ("update GB/s", f"{res['update_gbps']:.2f}"),
+        ("raw broadcast GB/s", f"{res['raw_broadcast_gbps']:.2f}"),
+        ("ratio (best)", f"{res['ratio']:.2f}"),
+        ("ratio (median)", f"{res['median_ratio']:.2f}"),
+        ("verified", "yes" if res["verified"] else "NO"),
     ):
-        t.add_column(col, justify="right")
-    t.add_row(
-        str(res["ranks"]),
-        f"{res['size_mb']:.0f}",
-        str(res["num_buckets"]),
-        f"{res['update_s']:.3f}",
-        f"{res['update_gbps']:.2f}",
-        f"{res['raw_broadcast_gbps']:.2f}",
-        f"{res['ratio']:.2f}",
-        f"{res['median_ratio']:.2f}",
-        "yes" if res["verified"] else "NO",
-    )
+        t.add_row(name, value)
     Console().print(t)
 
 

@@ -70,17 +70,24 @@ def run(args: argparse.Namespace) -> int:
     for warning in cfg.warnings():
         console.print(f"[yellow]k2 rl: warning: {warning}[/yellow]", soft_wrap=True)
     t_start = time.monotonic()
+    first: list[tuple[float, int]] = []  # (time, iteration) of this run's start, for the ETA
 
     def on_iteration(row: dict) -> None:
         if args.json:
             return
+        from k2_train.metrics import eta_seconds, format_duration
+
+        if not first:
+            first.append((t_start, row["iteration"] - 1))
+        eta = eta_seconds(first[0], time.monotonic(), row["iteration"], cfg.iterations)
         acc = f"  held-out {row['heldout_accuracy']:.1%}" if row.get("heldout_accuracy") is not None else ""
         line = (
             f"rl iteration {row['iteration']}/{cfg.iterations}  reward {row['reward_mean']:.3f}  "
             f"solved {row['solve_rate']:.1%}{acc}  len {row['response_tokens_mean']:.1f}  "
             + (f"kl {row['kl_estimate']:.4f}  " if row.get("kl_estimate") is not None else "")
             + f"rollout {row['rollout_s']:.1f}s train {row['train_s']:.1f}s "
-            f"sync {row['sync_s']:.2f}s  ({time.monotonic() - t_start:.0f}s)"
+            f"sync {row['sync_s']:.2f}s  ({time.monotonic() - t_start:.0f}s"
+            + (f", eta {format_duration(eta)})" if eta is not None else ")")
         )
         console.print(line, soft_wrap=True, highlight=False)
         sys.stdout.flush()
@@ -109,11 +116,19 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         t = Table(title=f"k2 rl: {result.run_dir}")
-        for col in ("iterations", "optimizer steps", "last reward", "held-out accuracy"):
+        for col in ("iterations", "optimizer steps", "reward (first -> last)", "held-out (before -> after)"):
             t.add_column(col, justify="right")
-        acc = "-" if result.heldout_accuracy is None else f"{result.heldout_accuracy:.1%}"
+
+        def change(start, end, fmt) -> str:
+            if end is None:
+                return "-"
+            return format(end, fmt) if start is None else f"{format(start, fmt)} -> {format(end, fmt)}"
+
         t.add_row(
-            f"{result.iterations_done}/{cfg.iterations}", str(result.steps), f"{result.reward_mean:.3f}", acc
+            f"{result.iterations_done}/{cfg.iterations}",
+            str(result.steps),
+            change(result.reward_mean_start, result.reward_mean, ".3f"),
+            change(result.heldout_accuracy_start, result.heldout_accuracy, ".1%"),
         )
         console.print(t)
         state = (

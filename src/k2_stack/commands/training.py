@@ -14,7 +14,7 @@ from typing import Any
 from k2_stack.config_flags import add_config_flags, apply_overrides, config_overrides, get_flat
 
 # Flags a resumed run may change: they do not change what is computed.
-RESUME_MAY_CHANGE = {"threads", "stop_at", "device"}
+RESUME_MAY_CHANGE = {"threads", "stop_at", "device", "cache_dir"}
 
 
 def add_common_flags(p: argparse.ArgumentParser, config_cls: type) -> None:
@@ -67,10 +67,11 @@ def resumed_config(run_dir: Path, config_cls: type, overrides: dict[str, Any], m
             f"--resume {run_dir} continues in {run_dir}; --out {out} names another directory. "
             f"Drop --out, or copy the run first (cp -r {run_dir} {out}) and resume that"
         )
+    extension = extension_overrides(run_dir, cfg, overrides)
     changed = [
         f"--{k.replace('_', '-')} {v} (the run has {get_flat(cfg, k)})"
         for k, v in overrides.items()
-        if k not in may_change and k != "out" and get_flat(cfg, k) != v
+        if k not in may_change and k not in extension and k != "out" and get_flat(cfg, k) != v
     ]
     if changed:
         raise ValueError(
@@ -79,8 +80,41 @@ def resumed_config(run_dir: Path, config_cls: type, overrides: dict[str, Any], m
             + ". Start a new run (--out) to train with other settings."
         )
     # the stored stop point is spent: a resume runs to the end unless --stop-at names a new one
-    kept = {"stop_at": 0, **{k: v for k, v in overrides.items() if k in may_change}}
+    kept = {"stop_at": 0, **{k: v for k, v in overrides.items() if k in may_change}, **extension}
     return apply_overrides(cfg, {"out": str(run_dir), **kept})
+
+
+def extension_overrides(run_dir: Path, cfg: Any, overrides: dict[str, Any]) -> dict[str, Any]:
+    """{steps, schedule_steps} when `--resume RUN --steps N` extends a pretrain/SFT run past its
+    planned end, else {}. The lr of the steps already taken must not change: an extension inside
+    the schedule's stable phase is the N-step run exactly; one that would move a decay already
+    (partly) taken must say with --schedule-steps what the lr does (keep the finished schedule and
+    hold its final lr, or re-warm to the N-step schedule from here)."""
+    new_steps = overrides.get("steps")
+    if new_steps is None or not hasattr(cfg, "schedule_steps") or new_steps == cfg.steps:
+        return {}
+    from k2_train.builders import lr_factors, schedule_span
+    from k2_train.state import latest_state, read_state
+
+    latest = latest_state(run_dir)
+    done = int(read_state(latest)["step"]) if latest is not None else 0
+    if new_steps < max(done, 1) or new_steps < cfg.steps:
+        raise ValueError(
+            f"--resume {run_dir} --steps {new_steps}: the run plans {cfg.steps} steps and has done "
+            f"{done}; a resume may extend it (a larger --steps), not shorten it"
+        )
+    old_span = schedule_span(cfg)
+    new_span = overrides.get("schedule_steps", cfg.schedule_steps) or new_steps
+    if "schedule_steps" in overrides or lr_factors(cfg, old_span, done) == lr_factors(cfg, new_span, done):
+        return {"steps": new_steps, "schedule_steps": overrides.get("schedule_steps", cfg.schedule_steps)}
+    floor = cfg.min_lr_ratio
+    raise ValueError(
+        f"--resume {run_dir} --steps {new_steps}: the run's {old_span}-step schedule has already "
+        f"decayed the lr by step {done}, so extending it must say what the lr does next: "
+        f"--schedule-steps {old_span} keeps the finished schedule (the {new_steps - done} new steps "
+        f"run at its final lr, {floor:g} x --lr), or --schedule-steps {new_steps} re-warms (the lr "
+        f"follows the {new_steps}-step schedule from here, back up to --lr, then decays again)"
+    )
 
 
 class RichProgress:
@@ -114,6 +148,10 @@ class RichProgress:
             completed=m.step,
             info=f"loss {m.loss:.3f}{val}  max logit {logit}  clipped {m.clipped_heads}  {m.tokens_per_s:.0f} tok/s",
         )
+        if m.val_loss is not None:  # every validation result stays on screen, above the bar
+            self.progress.console.print(
+                f"step {m.step}/{self.total}: loss {m.loss:.4f}  val {m.val_loss:.4f}"
+            )
 
     def on_interrupt(self, trainer) -> None:
         self.console.print(

@@ -74,6 +74,8 @@ class RLResult:
     heldout_accuracy: float | None
     interrupted: bool
     plots: list[Path] = field(default_factory=list)
+    heldout_accuracy_start: float | None = None  # before the first update (iteration 0)
+    reward_mean_start: float | None = None  # the first iteration's mean reward
 
 
 class _Rewards(NamedTuple):
@@ -553,6 +555,12 @@ class _Loop:
         if cfg.eval_every and self.heldout and dd.broadcast_object(first_eval, info):
             row = {"iteration": 0, "step": self.trainer.step, **self._evaluate()}
             self._write(row)
+            if main and row.get("heldout_accuracy") is not None:  # the baseline the run is judged by
+                acc, n = row["heldout_accuracy"], len(self.heldout)
+                self.log(
+                    f"rl iteration 0 (before training): held-out {acc:.1%} of {n} prompts "
+                    f"(+/- {100 * (acc * (1 - acc) / max(n, 1)) ** 0.5:.1f} points, one standard error)"
+                )
         while self.it_state.iteration < cfg.iterations and not self.interrupted:
             it = self.it_state.iteration
             t_it = time.perf_counter()
@@ -725,6 +733,11 @@ class _Loop:
             heldout_accuracy=accs[-1] if accs else None,
             interrupted=self.it_state.iteration < self.cfg.iterations,
             plots=plots,
+            heldout_accuracy_start=next(
+                (r["heldout_accuracy"] for r in rows if r.get("iteration") == 0 and "heldout_accuracy" in r),
+                None,
+            ),
+            reward_mean_start=its[0]["reward_mean"] if its else None,
         )
 
 

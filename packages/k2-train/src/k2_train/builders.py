@@ -147,16 +147,38 @@ def build_optimizer(cfg: PretrainConfig, model: nn.Module) -> torch.optim.Optimi
 def build_schedule(
     cfg: PretrainConfig, optimizer: torch.optim.Optimizer
 ) -> torch.optim.lr_scheduler.LRScheduler:
-    """WSD: `warmup_steps`, then constant, then a cosine decay over `decay_fraction` of the run."""
-    warmup = min(cfg.warmup_steps, cfg.steps)
-    decay = min(int(round(cfg.steps * cfg.decay_fraction)), cfg.steps - warmup)
-    return wsd_schedule(optimizer, warmup, cfg.steps - warmup - decay, decay, cfg.min_lr_ratio)
+    """WSD: `warmup_steps`, then constant, then a cosine decay over `decay_fraction` of the
+    schedule's span (`schedule_steps`, default the run's steps), then held at the floor."""
+    warmup, stable, decay = wsd_phases(cfg, schedule_span(cfg))
+    return wsd_schedule(optimizer, warmup, stable, decay, cfg.min_lr_ratio)
+
+
+def schedule_span(cfg: PretrainConfig) -> int:
+    """The steps the WSD schedule spans: `schedule_steps`, or the run's steps."""
+    return getattr(cfg, "schedule_steps", 0) or cfg.steps
+
+
+def wsd_phases(cfg: PretrainConfig, span: int) -> tuple[int, int, int]:
+    """(warmup, stable, decay) steps of a WSD schedule spanning `span` steps."""
+    warmup = min(cfg.warmup_steps, span)
+    decay = min(int(round(span * cfg.decay_fraction)), span - warmup)
+    return warmup, span - warmup - decay, decay
+
+
+def lr_factors(cfg: PretrainConfig, span: int, steps: int) -> list[float]:
+    """The lr multiplier of the first `steps` optimizer steps under a schedule spanning `span`."""
+    from k2_optim.schedule import wsd_factor
+
+    phases = wsd_phases(cfg, span)
+    return [wsd_factor(t, *phases, cfg.min_lr_ratio) for t in range(steps)]
 
 
 __all__ = [
     "build_model",
     "build_optimizer",
     "build_schedule",
+    "lr_factors",
+    "schedule_span",
     "describe_attention",
     "describe_ns_dtype",
     "load_init_weights",

@@ -161,6 +161,11 @@ class PretrainConfig(RunConfig):
     # WSD schedule, as fractions of the run (warmup, then constant, then cosine to min_lr_ratio)
     warmup_steps: int = option(10, "WSD warmup steps")
     decay_fraction: float = option(0.2, "WSD: fraction of the run spent in the cosine decay")
+    schedule_steps: int = option(
+        0,
+        "steps the WSD schedule spans (0: --steps); past its end the lr holds at min_lr_ratio x lr. "
+        "Set when extending a finished run (--resume RUN --steps N) to say what the lr does",
+    )
     min_lr_ratio: float = option(0.1, "WSD: the final lr as a fraction of the peak")
     # aux-loss-free balancing: the bias step per optimizer step
     bias_update_speed: float = option(1e-3, "aux-loss-free balancing: the bias step per optimizer step")
@@ -192,6 +197,9 @@ class PretrainConfig(RunConfig):
     eval_batches: int = option(4, "validation batches per evaluation")
     # run
     out: str = option("runs/pretrain", "the run directory")
+    cache_dir: str | None = option(
+        None, "where tokenized data and generated example sets are cached (None: $K2_CACHE, else ~/.cache/k2)"
+    )
     save_every: int = option(100, "save the train state every N steps (the last step is always saved)")
     stop_at: int = option(0, "stop after this step and save the train state, as an interrupt would")
     seed: int = option(0, "random seed (model init and data order)")
@@ -259,6 +267,7 @@ class PretrainConfig(RunConfig):
         need(self.ep >= 1, "ep", ">= 1")
         need(self.threads >= 0, "threads", ">= 0 (0 = torch's default)")
         need(self.warmup_steps >= 0, "warmup_steps", ">= 0")
+        need(self.schedule_steps >= 0, "schedule_steps", ">= 0 (0 = --steps)")
         need(device_name_ok(self.device), "device", DEVICE_CHOICES)
 
     def warnings(self) -> list[str]:

@@ -26,8 +26,11 @@ from k2_data import (
 from k2_train.config import PretrainConfig, SFTConfig
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("K2_CACHE", Path.home() / ".cache" / "k2"))
+def cache_root(cfg: PretrainConfig | None = None) -> Path:
+    """The data cache: the config's `cache_dir`, else $K2_CACHE, else ~/.cache/k2."""
+    if cfg is not None and cfg.cache_dir:
+        return Path(cfg.cache_dir)
+    return Path(os.environ.get("K2_CACHE") or Path.home() / ".cache" / "k2")
 
 
 def _limited_default_corpus(max_mb: float) -> list[Path]:
@@ -80,7 +83,7 @@ def _prepare_one(cfg: PretrainConfig, data: str | None, workers: int) -> Path:
             str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else "<default>",
         )
     )
-    cache = cache_root() / "tokenized" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    cache = cache_root(cfg) / "tokenized" / hashlib.sha256(key.encode()).hexdigest()[:16]
     if files is not None:
         tokenize_corpus(files, cache, tokenizer=cfg.tokenizer, config=tok_config)
         return cache
@@ -132,7 +135,7 @@ def prepare_chat(cfg: SFTConfig, workers: int = 0) -> Path:
         return Path(cfg.data)
     if cfg.data is not None and not Path(cfg.data).exists():
         raise FileNotFoundError(f"--data {cfg.data}: no such file or directory")
-    source = Path(cfg.data) if cfg.data is not None else tooluse_example_dir() / "train.jsonl"
+    source = Path(cfg.data) if cfg.data is not None else tooluse_example_dir(cache_root(cfg)) / "train.jsonl"
     key = repr(
         (
             str(source.resolve()),
@@ -140,18 +143,19 @@ def prepare_chat(cfg: SFTConfig, workers: int = 0) -> Path:
             str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else "<default>",
         )
     )
-    cache = cache_root() / "tokenized-chat" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    cache = cache_root(cfg) / "tokenized-chat" / hashlib.sha256(key.encode()).hexdigest()[:16]
     config = ChatTokenizeConfig(workers=workers or 1)
     if not (cache / "manifest.json").is_file():
         tokenize_chat([source], cache, tokenizer=cfg.tokenizer, config=config)
     return cache
 
 
-def tooluse_example_dir() -> Path:
-    """The shipped tool-use SFT set (train.jsonl, heldout.jsonl), generated once into the cache."""
+def tooluse_example_dir(root: Path | None = None) -> Path:
+    """The shipped tool-use SFT set (train.jsonl, heldout.jsonl), generated once into the cache
+    (`root`, default `cache_root()`)."""
     from k2_data.examples.tooluse import write_tooluse_dataset
 
-    out = cache_root() / "examples" / "tooluse-v1"
+    out = (root or cache_root()) / "examples" / "tooluse-v1"
     if not (out / "train.jsonl").is_file() or not (out / "heldout.jsonl").is_file():
         write_tooluse_dataset(out)
     return out

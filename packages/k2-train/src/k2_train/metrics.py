@@ -108,10 +108,14 @@ class PlainProgress(Callback):
         self.total, self.every_s, self.label = total_steps, every_s, label
         self.stream = stream or sys.stdout
         self._last = 0.0
+        self._start: tuple[float, int] | None = None  # (time, step) of the first step seen
 
     def on_step_end(self, trainer: Any, metrics: StepMetrics) -> None:
         now = time.monotonic()
-        if now - self._last < self.every_s and metrics.step != self.total and self._last:
+        if self._start is None:
+            self._start = (now, metrics.step)
+        evaluated = metrics.val_loss is not None  # validation lines are never throttled away
+        if not evaluated and now - self._last < self.every_s and metrics.step != self.total and self._last:
             return
         self._last = now
         parts = [f"{self.label} step {metrics.step}/{self.total}", f"loss {metrics.loss:.4f}"]
@@ -120,7 +124,34 @@ class PlainProgress(Callback):
         if metrics.max_logit is not None:
             parts.append(f"max logit {metrics.max_logit:.1f}")
         parts += [f"clipped {metrics.clipped_heads}", f"{metrics.tokens_per_s:.0f} tok/s"]
+        eta = eta_seconds(self._start, now, metrics.step, self.total)
+        if eta is not None:
+            parts.append(f"eta {format_duration(eta)}")
         print("  ".join(parts), file=self.stream, flush=True)
+
+    def on_interrupt(self, trainer: Any) -> None:
+        print(
+            f"{self.label}: interrupt: finishing this step, then saving the train state (Ctrl-C again to abort)",
+            file=self.stream,
+            flush=True,
+        )
+
+
+def eta_seconds(start: tuple[float, int] | None, now: float, step: int, total: int) -> float | None:
+    """Seconds left at the pace since `start` (time, step), or None before there is a pace."""
+    if start is None or step <= start[1] or step >= total:
+        return None
+    return (now - start[0]) / (step - start[1]) * (total - step)
+
+
+def format_duration(seconds: float) -> str:
+    """3725 -> '1h02m', 125 -> '2m05s', 7 -> '7s'."""
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
