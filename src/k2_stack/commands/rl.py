@@ -131,6 +131,13 @@ def run(args: argparse.Namespace) -> int:
             change(result.heldout_accuracy_start, result.heldout_accuracy, ".1%"),
         )
         console.print(t)
+        from k2_rl.report import heldout_change, reward_change
+        from k2_train.metrics import read_metrics
+
+        rows = read_metrics(result.run_dir / "metrics.jsonl")
+        for change, pct in ((reward_change(rows), False), (heldout_change(rows, result.heldout_prompts), True)):
+            if change is not None:
+                console.print(change.line(pct), soft_wrap=True, highlight=False)
         state = (
             f"stopped early (resume with `k2 rl --resume {result.run_dir}`)" if result.interrupted else "done"
         )

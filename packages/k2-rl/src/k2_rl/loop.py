@@ -76,6 +76,7 @@ class RLResult:
     plots: list[Path] = field(default_factory=list)
     heldout_accuracy_start: float | None = None  # before the first update (iteration 0)
     reward_mean_start: float | None = None  # the first iteration's mean reward
+    heldout_prompts: int = 0  # prompts of each held-out evaluation
 
 
 class _Rewards(NamedTuple):
@@ -738,6 +739,7 @@ class _Loop:
                 None,
             ),
             reward_mean_start=its[0]["reward_mean"] if its else None,
+            heldout_prompts=len(self.heldout) if self.heldout else 0,
         )
 
 
