@@ -96,7 +96,7 @@ def main() -> None:
 
     results, curves = [], []
     for label, overrides in grid(args.quick):
-        cfg = PretrainConfig(
+        cfg = PretrainConfig.flat(
             steps=args.steps,
             batch=args.batch,
             seq_len=args.seq_len,

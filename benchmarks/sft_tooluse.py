@@ -135,7 +135,7 @@ def export_random_init(run: Path, out: Path) -> Path:
     saved = json.loads((run / "config.json").read_text())
     saved.pop("task", None)
     cfg = SFTConfig.from_dict(saved, source=str(run / "config.json"))
-    model = build_model(cfg, 0, torch.device("cpu"))
+    model = build_model(cfg.model, 0, torch.device("cpu"), cfg.seed)
     return export_model(model, run / "tokenizer", out)
 
 

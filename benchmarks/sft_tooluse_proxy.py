@@ -15,8 +15,8 @@ import torch
 from k2_data import chat
 from k2_data.tokenizer import default_tokenizer_path, load_tokenizer
 from k2_model import K2ForCausalLM
+from k2_model.spec import ModelSpec
 from k2_train.builders import load_init_weights, model_config
-from k2_train.config import SFTConfig
 from k2_train.data import tooluse_example_dir
 
 torch.set_num_threads(1)
@@ -24,7 +24,7 @@ run = sys.argv[1]
 split = sys.argv[2] if len(sys.argv) > 2 else "heldout"
 n = int(sys.argv[3]) if len(sys.argv) > 3 else 100
 tok = load_tokenizer(default_tokenizer_path())
-model = K2ForCausalLM(model_config(SFTConfig(init=run)))  # the architecture the run trained
+model = K2ForCausalLM(model_config(ModelSpec(init=run)))  # the architecture the run trained
 print(load_init_weights(model, run))
 model.eval()
 recs = [json.loads(l) for l in open(tooluse_example_dir() / f"{split}.jsonl")][:n]

@@ -164,7 +164,7 @@ def exported_dir(tmp_path_factory) -> Path:
     lines = Path(textwrap.__file__).read_text().splitlines()
     for i in range(8):
         (corpus / f"doc{i}.py").write_text("\n".join(lines[i * 40 : i * 40 + 40]) + "\n")
-    cfg = PretrainConfig(
+    cfg = PretrainConfig.flat(
         model_overrides=SMALL_OVERRIDES, steps=1, batch=2, micro_batch=2, seq_len=32, data=str(corpus),
         val_fraction=0.2, eval_every=0, save_every=0, threads=1, out=str(root / "run"), warmup_steps=0,
     )  # fmt: skip

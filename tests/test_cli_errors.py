@@ -113,8 +113,8 @@ def test_resume_refuses_another_out_dir(tmp_path, capsys):
 def test_warmup_longer_than_the_run_is_warned_by_name():
     from k2_train import PretrainConfig
 
-    assert PretrainConfig(steps=100, warmup_steps=10).warnings() == []
-    (warning,) = PretrainConfig(steps=10, warmup_steps=500).warnings()
+    assert PretrainConfig.flat(steps=100, warmup_steps=10).warnings() == []
+    (warning,) = PretrainConfig.flat(steps=10, warmup_steps=500).warnings()
     assert "warmup_steps=500 >= steps=10" in warning
 
 

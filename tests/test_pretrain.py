@@ -56,7 +56,7 @@ def _cfg(tmp_path: Path, corpus: Path, **kw) -> PretrainConfig:
         out=str(tmp_path / "run"),
     )
     base.update(kw)
-    return PretrainConfig(**base)
+    return PretrainConfig.flat(**base)
 
 
 @pytest.fixture(autouse=True)
@@ -129,18 +129,20 @@ def test_cli_resume_and_errors(tmp_path, corpus, capsys):
     with pytest.raises(ValueError, match="stepz"):
         PretrainConfig.from_file(bad)
     with pytest.raises(ValueError, match="optimizer"):
-        PretrainConfig(optimizer="sgd").validate()
+        PretrainConfig.flat(optimizer="sgd").validate()
 
 
 def test_optimizers_build(tmp_path, corpus):
     from k2_optim import MuonClip
     from k2_train.builders import build_model, build_optimizer
 
-    model = build_model(_cfg(tmp_path, corpus), 8192, torch.device("cpu"))
-    assert isinstance(build_optimizer(_cfg(tmp_path, corpus, optimizer="adamw"), model), torch.optim.AdamW)
-    muon = build_optimizer(_cfg(tmp_path, corpus, optimizer="muon"), model)
+    model = build_model(_cfg(tmp_path, corpus).model, 8192, torch.device("cpu"), 0)
+    assert isinstance(
+        build_optimizer(model, _cfg(tmp_path, corpus, optimizer="adamw").optim), torch.optim.AdamW
+    )
+    muon = build_optimizer(model, _cfg(tmp_path, corpus, optimizer="muon").optim)
     assert isinstance(muon, MuonClip) and muon.tau is None
-    clip = build_optimizer(_cfg(tmp_path, corpus, optimizer="muonclip", tau=7.0, adamw_lr=1e-3), model)
+    clip = build_optimizer(model, _cfg(tmp_path, corpus, optimizer="muonclip", tau=7.0, adamw_lr=1e-3).optim)
     assert clip.tau == 7.0
     lrs = {g["algorithm"]: g["lr"] for g in clip.param_groups}
     assert lrs == {"muon": 1e-2, "adamw": 1e-3}
@@ -218,9 +220,10 @@ def test_activation_checkpointing_keeps_loss_grads_and_expert_loads(tmp_path, co
     results = []
     for ac in ("none", mode):
         model = build_model(
-            _cfg(tmp_path, corpus, model_overrides=dict(SMALL, num_hidden_layers=3)),
+            _cfg(tmp_path, corpus, model_overrides=dict(SMALL, num_hidden_layers=3)).model,
             8192,
             torch.device("cpu"),
+            0,
         )
         parallelize(model, activation_checkpointing=ac)
         assert [layer.activation_checkpointing for layer in model.model.layers] == {
@@ -254,7 +257,7 @@ def test_document_mask_equals_separate_documents(tmp_path, corpus):
     train, _ = build_datasets(cfg, prepare_tokenized(cfg))
     s = next(train[g] for g in range(len(train)) if train[g]["document_ids"].max() >= 1)
     b = {k: torch.from_numpy(v).long().unsqueeze(0) for k, v in s.items()}
-    model = build_model(cfg, 8192, torch.device("cpu")).eval()
+    model = build_model(cfg.model, 8192, torch.device("cpu"), cfg.seed).eval()
     with torch.no_grad():
         packed = model(**b).loss  # the loader's keys are the model's arguments
         total, count = 0.0, 0

@@ -108,7 +108,7 @@ def test_init_from_a_run_export_and_serve(tmp_path, chats):
     cfg = SFTConfig.from_file(
         _config(tmp_path, chats, "ft", steps=2, eval_every=0, init=str(tmp_path / "base"))
     )
-    model = build_model(cfg, 0, torch.device("cpu"))
+    model = build_model(cfg.model, 0, torch.device("cpu"), cfg.seed)
     saved = read_state(tmp_path / "base")["components"]["model"]
     for name, value in model.state_dict().items():
         assert torch.equal(value, saved[name]), name

@@ -42,7 +42,7 @@ def test_build_batch_labels_only_the_response():
 
 
 def test_temperature_decay_and_prompt_draws_are_functions_of_the_iteration():
-    cfg = RLConfig(iterations=5, temperature=1.0, temperature_end=0.6)
+    cfg = RLConfig.flat(iterations=5, temperature=1.0, temperature_end=0.6)
     assert [round(temperature_at(cfg, i), 6) for i in range(5)] == [1.0, 0.9, 0.8, 0.7, 0.6]
     tasks = [{"messages": [], "answer": str(i)} for i in range(50)]
     a, b = draw_prompts(tasks, 8, seed=3, iteration=4), draw_prompts(tasks, 8, seed=3, iteration=4)
@@ -148,7 +148,7 @@ def _cfg(tmp_path: Path, name: str, **kw) -> RLConfig:
         out=str(tmp_path / name),
     )
     base.update(kw)
-    return RLConfig(**base)
+    return RLConfig.flat(**base)
 
 
 def _rows(run: Path) -> list[dict]:
@@ -279,7 +279,7 @@ def test_layout_errors_name_the_flag(tmp_path):
     with pytest.raises(ValueError, match="ep=2 needs several trainer processes"):
         run_rl(_cfg(tmp_path, "ep", ep=2), log=lambda _m: None)
     with pytest.raises(ValueError, match="ep=0"):
-        RLConfig(ep=0).validate()
+        RLConfig.flat(ep=0).validate()
 
 
 @pytest.mark.slow  # spawns a rollout worker process

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from k2_model.testing import tiny_model
+from k2_optim.config import OptimConfig
 from k2_optim.muon import default_ns_dtype
 from k2_train.builders import build_optimizer
 from k2_train.config import PretrainConfig
@@ -19,7 +20,7 @@ def test_ns_dtype_reaches_every_muon_group(monkeypatch, flag, want, native):
     bf16 GEMMs, fp32 without (the probe forced both ways, so neither kind of CPU hides a dropped flag)."""
     monkeypatch.setenv("K2_NATIVE_BF16", "1" if native else "0")
     model = tiny_model()
-    opt = build_optimizer(PretrainConfig(ns_dtype=flag), model)
+    opt = build_optimizer(model, OptimConfig(ns_dtype=flag))
     muon = [g for g in opt.param_groups if g.get("algorithm") != "adamw"]
     assert muon
     expected = want or (torch.bfloat16 if native else torch.float32)
@@ -30,7 +31,7 @@ def test_ns_dtype_reaches_every_muon_group(monkeypatch, flag, want, native):
 
 def test_bad_ns_dtype_is_refused_by_name():
     with pytest.raises(ValueError, match="ns_dtype='fp16'"):
-        PretrainConfig(ns_dtype="fp16").validate()
+        PretrainConfig.flat(ns_dtype="fp16").validate()
 
 
 def test_start_up_line_names_the_ns_dtype_and_why(monkeypatch):
@@ -38,8 +39,8 @@ def test_start_up_line_names_the_ns_dtype_and_why(monkeypatch):
 
     cpu = torch.device("cpu")
     monkeypatch.setenv("K2_NATIVE_BF16", "1")
-    assert describe_ns_dtype(PretrainConfig(), cpu) == "bfloat16 (auto: native bf16 GEMMs)"
+    assert describe_ns_dtype(OptimConfig(), cpu) == "bfloat16 (auto: native bf16 GEMMs)"
     monkeypatch.setenv("K2_NATIVE_BF16", "0")
-    assert describe_ns_dtype(PretrainConfig(), cpu) == "float32 (auto: bf16 emulated on this CPU)"
-    assert describe_ns_dtype(PretrainConfig(ns_dtype="bf16"), cpu) == "bfloat16 (--ns-dtype bf16)"
-    assert describe_ns_dtype(PretrainConfig(optimizer="adamw"), cpu) == "none (AdamW)"
+    assert describe_ns_dtype(OptimConfig(), cpu) == "float32 (auto: bf16 emulated on this CPU)"
+    assert describe_ns_dtype(OptimConfig(ns_dtype="bf16"), cpu) == "bfloat16 (--ns-dtype bf16)"
+    assert describe_ns_dtype(OptimConfig(optimizer="adamw"), cpu) == "none (AdamW)"

@@ -15,4 +15,4 @@ def test_cache_dir_flag_then_env_then_home(tmp_path, monkeypatch):
     monkeypatch.setenv("K2_CACHE", str(tmp_path / "env"))
     assert cache_root() == tmp_path / "env"
     assert cache_root(PretrainConfig()) == tmp_path / "env"
-    assert cache_root(PretrainConfig(cache_dir=str(tmp_path / "flag"))) == tmp_path / "flag"
+    assert cache_root(PretrainConfig.flat(cache_dir=str(tmp_path / "flag"))) == tmp_path / "flag"

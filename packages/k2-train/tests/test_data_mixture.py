@@ -26,7 +26,7 @@ def _cfg(tmp_path, data: str, **kw) -> PretrainConfig:
     base = dict(model_overrides=SMALL_OVERRIDES, steps=2, batch=2, seq_len=32, warmup_steps=1, data=data)
     base.update(val_fraction=0.2, eval_every=2, threads=1, out=str(tmp_path / "run"))
     base.update(kw)
-    return PretrainConfig(**base)
+    return PretrainConfig.flat(**base)
 
 
 def test_mixture_builds_one_dataset_per_source_mixed_by_weight(tmp_path, two_corpora):

@@ -39,7 +39,7 @@ def _cfg(tmp_path: Path, corpus: Path, **kw) -> PretrainConfig:
         ns_dtype="fp32",
     )  # fmt: skip
     base.update(kw)
-    return PretrainConfig(**base)
+    return PretrainConfig.flat(**base)
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -47,14 +47,14 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 def test_ep_config_is_validated():
-    cfg = PretrainConfig(ep=0)
+    cfg = PretrainConfig.flat(ep=0)
     with pytest.raises(ValueError, match="ep=0"):
         cfg.validate()
     with pytest.raises(ValueError, match=r"ep=3: expected a divisor of the number of processes \(2\)"):
-        PretrainConfig(ep=3).validate_layout(2, 8)
+        PretrainConfig.flat(ep=3).validate_layout(2, 8)
     with pytest.raises(ValueError, match="n_routed_experts=6"):
-        PretrainConfig(ep=4).validate_layout(4, 6)
-    PretrainConfig(ep=2).validate_layout(4, 8)
+        PretrainConfig.flat(ep=4).validate_layout(4, 6)
+    PretrainConfig.flat(ep=2).validate_layout(4, 8)
 
 
 def test_ep_needs_torchrun(tmp_path, corpus):

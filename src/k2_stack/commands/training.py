@@ -91,9 +91,9 @@ def extension_overrides(run_dir: Path, cfg: Any, overrides: dict[str, Any]) -> d
     (partly) taken must say with --schedule-steps what the lr does (keep the finished schedule and
     hold its final lr, or re-warm to the N-step schedule from here)."""
     new_steps = overrides.get("steps")
-    if new_steps is None or not hasattr(cfg, "schedule_steps") or new_steps == cfg.steps:
+    schedule = getattr(cfg, "schedule", None)  # the WSD schedule: pretrain/SFT runs only
+    if new_steps is None or schedule is None or new_steps == cfg.steps:
         return {}
-    from k2_train.builders import lr_factors, schedule_span
     from k2_train.state import latest_state, read_state
 
     latest = latest_state(run_dir)
@@ -103,11 +103,16 @@ def extension_overrides(run_dir: Path, cfg: Any, overrides: dict[str, Any]) -> d
             f"--resume {run_dir} --steps {new_steps}: the run plans {cfg.steps} steps and has done "
             f"{done}; a resume may extend it (a larger --steps), not shorten it"
         )
-    old_span = schedule_span(cfg)
-    new_span = overrides.get("schedule_steps", cfg.schedule_steps) or new_steps
-    if "schedule_steps" in overrides or lr_factors(cfg, old_span, done) == lr_factors(cfg, new_span, done):
-        return {"steps": new_steps, "schedule_steps": overrides.get("schedule_steps", cfg.schedule_steps)}
-    floor = cfg.min_lr_ratio
+    old_span = schedule.span(cfg.steps)
+    new_span = overrides.get("schedule_steps", schedule.schedule_steps) or new_steps
+    if "schedule_steps" in overrides or schedule.lr_factors(old_span, done) == schedule.lr_factors(
+        new_span, done
+    ):
+        return {
+            "steps": new_steps,
+            "schedule_steps": overrides.get("schedule_steps", schedule.schedule_steps),
+        }
+    floor = schedule.min_lr_ratio
     raise ValueError(
         f"--resume {run_dir} --steps {new_steps}: the run's {old_span}-step schedule has already "
         f"decayed the lr by step {done}, so extending it must say what the lr does next: "

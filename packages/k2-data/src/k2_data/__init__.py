@@ -5,6 +5,7 @@ from k2_data import load_tokenizer, tokenize_corpus, PackedDataset, StatefulLoad
 
 from k2_data._version import __version__ as __version__
 from k2_data.chat import ToolCallStreamParser, parse_tool_calls, render_chat, render_ids
+from k2_data.config import DataConfig
 from k2_data.corpus import default_corpus_files
 from k2_data.ingest import BadRecordError, TokenizeConfig, ensure_tokenized, load_manifest, tokenize_corpus
 from k2_data.mixture import MixedDataset, parse_mixture
@@ -32,6 +33,7 @@ __all__ = [
     "NUM_RESERVED_SPECIAL_TOKENS",
     "PackedDataset",
     "ChatTokenizeConfig",
+    "DataConfig",
     "StatefulLoader",
     "TokenizeConfig",
     "Tokenizer",

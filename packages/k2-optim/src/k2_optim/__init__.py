@@ -1,5 +1,6 @@
 """k2-optim: MuonClip (Muon + QK-Clip) for any PyTorch model, with batched Newton-Schulz."""
 
+from .config import OptimConfig, WSDConfig
 from .muon import Muon, adjust_lr, declare_fused, default_ns_dtype
 from .newton_schulz import KELLER_QUINTIC, POLAR_EXPRESS, newton_schulz, resolve_ns_schedule
 from .schedule import wsd_factor, wsd_schedule
@@ -10,6 +11,8 @@ __all__ = [
     "KELLER_QUINTIC",
     "POLAR_EXPRESS",
     "Muon",
+    "OptimConfig",
+    "WSDConfig",
     "adjust_lr",
     "declare_fused",
     "default_ns_dtype",

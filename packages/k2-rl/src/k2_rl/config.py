@@ -1,43 +1,106 @@
-"""`RLConfig`: one dataclass for a `k2 rl` run, loadable from JSON/TOML, overridable by flags.
+"""`RLConfig`: one `k2 rl` run, composed of component configs, loadable from JSON/TOML,
+overridable by flags.
 
-Names shared with k2-train's configs mean the same (`lr`, `adamw_lr`, `tau` = QK-Clip's
-threshold, `seed`, ...); the K1.5 objective's own tau is `rl_tau`.
+    RLConfig
+      model:     k2_model.ModelSpec    init, preset, model_overrides, attention
+      optim:     k2_optim.OptimConfig  optimizer, lr, adamw_lr, weight_decay, tau, ns_dtype, grad_clip
+      rollouts:  RolloutConfig         samples_per_prompt, the response budget, sampling, the engine
+      rewards:   RewardConfig          reward, its workers and timeout, the truncation penalty
+      rubric:    RubricConfig          the self-critique rubric reward and its critic
+      objective: LossConfig            loss, rl_tau, clip_eps, the PTX term
+      and the loop's own fields (iterations, prompts_per_iteration, eval_every, out, seed, ...)
+
+Every leaf keeps one flat name (`--lr`, `{"rl_tau": ...}`; k2_train.config_tree). Names shared
+with k2-train's configs mean the same (`lr`, `adamw_lr`, `tau` = QK-Clip's threshold, `seed`,
+...); the K1.5 objective's own tau is `rl_tau`. `eval_every`, `save_every` and `stop_at` count the
+loop's unit, as in k2-train: here that unit is the iteration (`updates_per_iteration` optimizer
+steps on one iteration's rollouts).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
 
-from k2_train.config import NS_DTYPES, OPTIMIZERS, RunConfig, option
+from k2_model.spec import ModelSpec
+from k2_optim.config import OptimConfig
+from k2_train.config import RunConfig, option
 
 LOSSES = ("k15", "grpo")
 ROLLOUTS = ("process", "inprocess")
+SWITCHES = ("auto", "on", "off")
+
+
+def _needer(where: str, cfg: object):
+    def need(cond: bool, name: str, what: str) -> None:
+        if not cond:
+            raise ValueError(f"{where}: {name}={getattr(cfg, name)!r}: expected {what}")
+
+    return need
 
 
 @dataclass
-class RLConfig(RunConfig):
-    # policy: start from an SFT run dir or an HF-format dir; None = a random init of `preset`
-    init: str | None = option(
-        None, "the policy to start from: an SFT run dir or an HF-format dir (None: random init of --preset)"
+class RolloutConfig:
+    """How responses are sampled, and by which engine."""
+
+    samples_per_prompt: int = option(8, "responses sampled per prompt (K)")
+    max_response_tokens: int = option(64, "response budget; longer responses are cut and penalised")
+    temperature: float = option(1.0, "rollout temperature at the first iteration")
+    temperature_end: float = option(1.0, "rollout temperature at the last iteration (linear decay)")
+    top_p: float = option(1.0, "rollout nucleus-sampling threshold (1 = off)")
+    rollout: str = option(
+        "process", "process (a rollout worker synced through k2-ckpt) or inprocess", choices=ROLLOUTS
     )
-    preset: str = option("tiny", "model preset when there is no --init")
-    model_overrides: dict[str, Any] = option(
-        default_factory=dict,
-        help="K2Config fields over the preset, as JSON (e.g. '{\"n_routed_experts\": 64}')",
-    )
-    attention: str = option(
+    # engine switching: the rollout engine frees its KV pool while the trainer runs (colocation on
+    # one device, as K2 does); "auto" = when the policy is on a GPU, "on", "off"
+    free_rollout_cache: str = option(
         "auto",
-        "attention path: auto (the fused k2_kernels kernel where it serves the device), fused, sdpa or eager",
-        choices=("auto", "fused", "sdpa", "eager"),
+        "engine switching: the rollout engine frees its KV pool while the trainer runs (auto = on a GPU; on; off)",
+        choices=SWITCHES,
     )
-    # tasks: JSONL records {"messages", "answer"}; None = the generated addition task
-    tasks: str | None = option(None, "task JSONL ({messages, answer}) (None: the generated addition task)")
-    heldout: str | None = option(None, "held-out task JSONL for the accuracy (None: the generated task's)")
+    rollout_threads: int = option(0, "torch threads of the rollout worker (0 = torch's default)")
+
+    def validate(self, where: str) -> None:
+        need = _needer(where, self)
+        need(
+            self.samples_per_prompt > 1,
+            "samples_per_prompt",
+            "> 1 (the objective compares a prompt's samples)",
+        )
+        need(self.max_response_tokens > 0, "max_response_tokens", "> 0")
+        need(0 <= self.temperature <= 10 and 0 <= self.temperature_end <= 10, "temperature", "in [0, 10]")
+        need(0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        need(self.rollout in ROLLOUTS, "rollout", " or ".join(ROLLOUTS))
+        need(self.free_rollout_cache in SWITCHES, "free_rollout_cache", "auto, on or off")
+        need(self.rollout_threads >= 0, "rollout_threads", ">= 0 (0 = torch's default)")
+
+
+@dataclass
+class RewardConfig:
+    """Which reward scores a response (a task's own "reward" field overrides it) and where it runs."""
+
     reward: str = option(
         "math", 'reward name (k2_rl.rewards registry); a task\'s own "reward" field overrides it'
     )
-    # the self-critique rubric reward ("rubric", a group reward) and its critic
+    reward_workers: int = option(2, "reward worker processes")
+    reward_timeout_s: float = option(
+        10.0, "seconds one reward call may take (a code reward's sandbox run included)"
+    )
+    truncation_penalty: float = option(0.5, "subtracted from a cut response's reward")
+
+    def validate(self, where: str) -> None:
+        from k2_rl.rewards.base import known_rewards, reward_known
+
+        need = _needer(where, self)
+        need(self.truncation_penalty >= 0, "truncation_penalty", ">= 0")
+        need(self.reward_workers > 0, "reward_workers", "> 0")
+        need(reward_known(self.reward), "reward", f"one of {', '.join(known_rewards())} or MODULE:NAME")
+
+
+@dataclass
+class RubricConfig:
+    """The self-critique rubric reward ("rubric", a group reward) and its critic."""
+
     critic_url: str | None = option(
         None,
         "critic of the rubric reward: an OpenAI-compatible API root (e.g. k2 serve's http://HOST:PORT/v1), or 'policy' (the rollout engine judges through /generate); required with rubric tasks unless the rollout worker serves an OpenAI chat endpoint",
@@ -57,38 +120,56 @@ class RLConfig(RunConfig):
         choices=("winrate", "bt"),
     )
     rubric_floor: float = option(0.0, "the reward of a response violating a prescriptive rubric")
-    # rollouts: prompts x samples per iteration, the response budget, the temperature schedule
-    iterations: int = option(20, "RL iterations (rollout, reward, update, sync)")
-    prompts_per_iteration: int = option(
-        16, "prompts per iteration (split over the trainer processes under torchrun)"
-    )
-    samples_per_prompt: int = option(8, "responses sampled per prompt (K)")
-    max_response_tokens: int = option(64, "response budget; longer responses are cut and penalised")
-    truncation_penalty: float = option(0.5, "subtracted from a cut response's reward")
-    temperature: float = option(1.0, "rollout temperature at the first iteration")
-    temperature_end: float = option(1.0, "rollout temperature at the last iteration (linear decay)")
-    top_p: float = option(1.0, "rollout nucleus-sampling threshold (1 = off)")
-    rollout: str = option(
-        "process", "process (a rollout worker synced through k2-ckpt) or inprocess", choices=ROLLOUTS
-    )
-    # engine switching: the rollout engine frees its KV pool while the trainer runs (colocation on
-    # one device, as K2 does); "auto" = when the policy is on a GPU, "on", "off"
-    free_rollout_cache: str = option(
-        "auto",
-        "engine switching: the rollout engine frees its KV pool while the trainer runs (auto = on a GPU; on; off)",
-        choices=("auto", "on", "off"),
-    )
-    rollout_threads: int = option(0, "torch threads of the rollout worker (0 = torch's default)")
-    reward_workers: int = option(2, "reward worker processes")
-    reward_timeout_s: float = option(
-        10.0, "seconds one reward call may take (a code reward's sandbox run included)"
-    )
-    # the objective
+
+    def validate(self, where: str) -> None:
+        need = _needer(where, self)
+        need(self.critic_concurrency > 0, "critic_concurrency", "> 0")
+        need(self.critic_max_tokens > 0, "critic_max_tokens", "> 0")
+        need(self.critic_refine_pairs >= 0, "critic_refine_pairs", ">= 0")
+        need(self.rubric_aggregation in ("winrate", "bt"), "rubric_aggregation", "winrate or bt")
+        need(
+            self.critic_url is None
+            or self.critic_url == "policy"
+            or self.critic_url.startswith(("http://", "https://")),
+            "critic_url",
+            "an http(s):// API root or 'policy'",
+        )
+
+
+@dataclass
+class LossConfig:
+    """The objective: Kimi K1.5's (or clipped GRPO's, for comparison) and the PTX term."""
+
     loss: str = option("k15", "k15 (Kimi K1.5's objective) or grpo (clipped, for comparison)", choices=LOSSES)
     rl_tau: float = option(0.1, "K1.5's tau (weight of the log-ratio)")
     clip_eps: float = option(0.2, "the clipping range of --loss grpo")
     ptx_coef: float = option(0.0, "weight of the PTX next-token term (needs --ptx-data)")
     ptx_data: str | None = option(None, "chat JSONL for the PTX term")
+
+    def validate(self, where: str) -> None:
+        need = _needer(where, self)
+        need(self.loss in LOSSES, "loss", " or ".join(LOSSES))
+        need(self.rl_tau > 0, "rl_tau", "> 0")
+        need(self.ptx_coef >= 0, "ptx_coef", ">= 0")
+        need(
+            self.ptx_coef == 0 or self.ptx_data is not None, "ptx_data", "a chat JSONL file when ptx_coef > 0"
+        )
+
+
+@dataclass
+class RLConfig(RunConfig):
+    model: ModelSpec = option(default_factory=ModelSpec, help="the policy: init weights or a preset")
+    # tasks: JSONL records {"messages", "answer"}; None = the generated addition task
+    tasks: str | None = option(None, "task JSONL ({messages, answer}) (None: the generated addition task)")
+    heldout: str | None = option(None, "held-out task JSONL for the accuracy (None: the generated task's)")
+    rewards: RewardConfig = option(default_factory=RewardConfig, help="the reward")
+    rubric: RubricConfig = option(default_factory=RubricConfig, help="the rubric reward and its critic")
+    iterations: int = option(20, "RL iterations (rollout, reward, update, sync)")
+    prompts_per_iteration: int = option(
+        16, "prompts per iteration (split over the trainer processes under torchrun)"
+    )
+    rollouts: RolloutConfig = option(default_factory=RolloutConfig, help="sampling and the rollout engine")
+    objective: LossConfig = option(default_factory=LossConfig, help="the RL objective")
     # optimizer steps on each iteration's rollouts, in micro-batches of whole prompts
     updates_per_iteration: int = option(1, "optimizer steps on each iteration's rollouts")
     micro_prompts: int = option(0, "prompts per micro-batch (0 = all)")
@@ -98,22 +179,14 @@ class RLConfig(RunConfig):
     prompt_sharing: str = option(
         "auto",
         "on: one prompt pass for its K responses in the trainer's forwards; off: row by row; auto: on for a CPU trainer",
-        choices=("auto", "on", "off"),
+        choices=SWITCHES,
     )
-    optimizer: str = option("muonclip", "muonclip | muon | adamw", choices=OPTIMIZERS)
-    # Muon updates have a fixed RMS: 2e-3 made held-out accuracy fall (30% -> 16%) in rl-demo
-    lr: float = option(2e-4, "learning rate (Muon's for muon/muonclip)")
-    adamw_lr: float = option(5e-5, "AdamW lr of embeddings, head and 1-D params (0 = --lr)")
-    weight_decay: float = option(0.0, "decoupled weight decay")
-    tau: float = option(30.0, "QK-Clip threshold")
-    # Newton-Schulz dtype: "auto" = bf16 where bf16 GEMMs are native (CUDA, AVX512-BF16 / AMX CPUs),
-    # fp32 elsewhere; "fp32" makes updates stable across process layouts and resumes
-    ns_dtype: str = option(
-        "auto",
-        "Newton-Schulz dtype: auto (bf16 where bf16 GEMMs are native, else fp32), fp32, bf16",
-        choices=NS_DTYPES,
+    # Muon updates have a fixed RMS: lr 2e-3 made held-out accuracy fall (30% -> 16%) in rl-demo;
+    # no weight decay on a policy that starts from trained weights
+    optim: OptimConfig = option(
+        default_factory=partial(OptimConfig, lr=2e-4, adamw_lr=5e-5, weight_decay=0.0),
+        help="the optimizer and QK-Clip",
     )
-    grad_clip: float = option(1.0, "gradient-norm clip (0 = off)")
     bias_update_speed: float = option(
         1e-3, "aux-loss-free balancing: the expert-bias step per optimizer step"
     )
@@ -143,66 +216,34 @@ class RLConfig(RunConfig):
     def validate(self) -> None:
         from k2_model.device import DEVICE_CHOICES, device_name_ok
 
-        from k2_rl.rewards.base import known_rewards, reward_known
-
-        def need(cond: bool, name: str, what: str) -> None:
-            if not cond:
-                raise ValueError(f"rl config: {name}={getattr(self, name)!r}: expected {what}")
-
+        where = "rl config"
+        need = _needer(where, self)
         need(self.iterations > 0, "iterations", "> 0")
         need(self.prompts_per_iteration > 0, "prompts_per_iteration", "> 0")
-        need(
-            self.samples_per_prompt > 1,
-            "samples_per_prompt",
-            "> 1 (the objective compares a prompt's samples)",
-        )
-        need(self.max_response_tokens > 0, "max_response_tokens", "> 0")
-        need(self.truncation_penalty >= 0, "truncation_penalty", ">= 0")
-        need(0 <= self.temperature <= 10 and 0 <= self.temperature_end <= 10, "temperature", "in [0, 10]")
-        need(0 < self.top_p <= 1, "top_p", "in (0, 1]")
-        need(self.rollout in ROLLOUTS, "rollout", " or ".join(ROLLOUTS))
-        need(self.free_rollout_cache in ("auto", "on", "off"), "free_rollout_cache", "auto, on or off")
-        need(self.loss in LOSSES, "loss", " or ".join(LOSSES))
-        need(self.rl_tau > 0, "rl_tau", "> 0")
-        need(self.ptx_coef >= 0, "ptx_coef", ">= 0")
-        need(
-            self.ptx_coef == 0 or self.ptx_data is not None, "ptx_data", "a chat JSONL file when ptx_coef > 0"
-        )
+        self.rollouts.validate(where)
+        self.objective.validate(where)
         need(self.updates_per_iteration > 0, "updates_per_iteration", "> 0")
         need(self.micro_prompts >= 0, "micro_prompts", ">= 0")
-        need(self.prompt_sharing in ("auto", "on", "off"), "prompt_sharing", "'auto', 'on' or 'off'")
+        need(self.prompt_sharing in SWITCHES, "prompt_sharing", "'auto', 'on' or 'off'")
         need(
             self.micro_prompts == 0 or self.prompts_per_iteration % self.micro_prompts == 0,
             "micro_prompts",
             "a divisor of prompts_per_iteration",
         )
-        need(self.optimizer in ("muonclip", "muon", "adamw"), "optimizer", "muonclip, muon or adamw")
-        need(self.lr > 0, "lr", "> 0")
-        need(self.ns_dtype in NS_DTYPES, "ns_dtype", f"one of {', '.join(NS_DTYPES)}")
+        self.optim.validate(where)
+        self.model.validate(where)
         need(self.eval_every >= 0 and self.save_every >= 0 and self.stop_at >= 0, "eval_every", "counts >= 0")
         need(self.ep >= 1, "ep", ">= 1")
         need(self.kl_every >= 0, "kl_every", ">= 0")
-        need(self.reward_workers > 0, "reward_workers", "> 0")
-        need(self.critic_concurrency > 0, "critic_concurrency", "> 0")
-        need(self.critic_max_tokens > 0, "critic_max_tokens", "> 0")
-        need(self.critic_refine_pairs >= 0, "critic_refine_pairs", ">= 0")
-        need(self.rubric_aggregation in ("winrate", "bt"), "rubric_aggregation", "winrate or bt")
-        need(
-            self.critic_url is None
-            or self.critic_url == "policy"
-            or self.critic_url.startswith(("http://", "https://")),
-            "critic_url",
-            "an http(s):// API root or 'policy'",
-        )
+        self.rubric.validate(where)
         need(self.threads >= 0, "threads", ">= 0 (0 = torch's default)")
-        need(self.rollout_threads >= 0, "rollout_threads", ">= 0 (0 = torch's default)")
         need(device_name_ok(self.device), "device", DEVICE_CHOICES)
-        need(reward_known(self.reward), "reward", f"one of {', '.join(known_rewards())} or MODULE:NAME")
+        self.rewards.validate(where)
 
-    # the fields k2-train's builders read
+    # the field k2-train's Trainer reads
     @property
     def steps(self) -> int:
         return self.iterations * self.updates_per_iteration
 
 
-__all__ = ["LOSSES", "RLConfig"]
+__all__ = ["LOSSES", "LossConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RubricConfig"]

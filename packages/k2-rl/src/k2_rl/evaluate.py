@@ -28,10 +28,10 @@ from k2_rl.tasks import read_tasks
 def load_policy(init: str | Path, device: str | torch.device = "cpu") -> Any:
     """The K2 model of a k2 run (its latest train state) or of an HF-format directory, in eval mode."""
     from k2_model import K2ForCausalLM
+    from k2_model.spec import ModelSpec
     from k2_train.builders import load_init_weights, model_config
-    from k2_train.config import SFTConfig
 
-    model = K2ForCausalLM(model_config(SFTConfig(init=str(init))))
+    model = K2ForCausalLM(model_config(ModelSpec(init=str(init))))
     load_init_weights(model, str(init))
     return model.to(device).eval()
 

@@ -10,7 +10,7 @@ Each iteration:
    per-request seeds derived from (seed, iteration, prompt, sample).
 2. Rewards are computed in worker processes (`RewardPool`: math-verify's signal-based timeouts
    only work on a process's main thread), one batch per reward name (a task's own `"reward"`
-   field, else `cfg.reward`); group rewards (`GroupReward`, e.g. the self-critique `rubric`
+   field, else `cfg.rewards.reward`); group rewards (`GroupReward`, e.g. the self-critique `rubric`
    reward) score each prompt's K responses together, in this process, through their critic. A
    response cut at the budget gets `truncation_penalty` subtracted. With the rubric reward in
    use, the critic is also checked on the verifiable prompts' groups (`critic_agreement`) and the
@@ -107,9 +107,9 @@ class _IterationState:
 def temperature_at(cfg: RLConfig, iteration: int) -> float:
     """Linear decay from `temperature` to `temperature_end` over the run (K2's temperature decay)."""
     if cfg.iterations <= 1:
-        return cfg.temperature
+        return cfg.rollouts.temperature
     frac = iteration / (cfg.iterations - 1)
-    return cfg.temperature + (cfg.temperature_end - cfg.temperature) * frac
+    return cfg.rollouts.temperature + (cfg.rollouts.temperature_end - cfg.rollouts.temperature) * frac
 
 
 def draw_prompts(tasks: Sequence[dict], n: int, seed: int, iteration: int) -> list[dict]:
@@ -232,9 +232,9 @@ class _Loop:
         if cfg.ep > 1 and not info.enabled:
             raise ValueError(f"rl config: ep={cfg.ep} needs several trainer processes (run under torchrun)")
         if info.enabled:
-            if cfg.rollout != "process":
+            if cfg.rollouts.rollout != "process":
                 raise ValueError(
-                    f"rl config: rollout={cfg.rollout!r}: under torchrun the rollout engine is a worker "
+                    f"rl config: rollout={cfg.rollouts.rollout!r}: under torchrun the rollout engine is a worker "
                     "process driven by rank 0 (rollout='process')"
                 )
             if cfg.prompts_per_iteration % info.world_size:
@@ -266,13 +266,13 @@ class _Loop:
             if info.is_main and not (data / "rl.jsonl").is_file():
                 write_addition_dataset(data, seed=0)
             dd.barrier(info)
-            self.tasks = read_tasks(data / "rl.jsonl", cfg.reward)
+            self.tasks = read_tasks(data / "rl.jsonl", cfg.rewards.reward)
             self.heldout = read_tasks(
-                Path(cfg.heldout) if cfg.heldout else data / "heldout.jsonl", cfg.reward
+                Path(cfg.heldout) if cfg.heldout else data / "heldout.jsonl", cfg.rewards.reward
             )
         else:
-            self.tasks = read_tasks(cfg.tasks, cfg.reward)
-            self.heldout = read_tasks(cfg.heldout, cfg.reward) if cfg.heldout else []
+            self.tasks = read_tasks(cfg.tasks, cfg.rewards.reward)
+            self.heldout = read_tasks(cfg.heldout, cfg.rewards.reward) if cfg.heldout else []
         self._resolve_rewards()
         # held-out accuracy is a verifier's: prompts scored by a group reward (a critic) are left out
         self.heldout = [t for t in self.heldout if self._reward_name(t) not in self.group_names]
@@ -282,30 +282,32 @@ class _Loop:
         # policy, optimizer, loss, trainer
         from k2_data.chat import render_ids
 
-        self.tok = load_tokenizer_for(cfg.init)
+        self.tok = load_tokenizer_for(cfg.model.init)
         self.render = lambda messages: render_ids(self.tok, messages, add_generation_prompt=True)
         self.pad_id = int(
             self.tok.pad_id if getattr(self.tok, "pad_id", None) is not None else self.tok.eos_id
         )
         self.model = build_model(
-            cfg, self.tok.vocab_size, self.device
-        )  # seeded init, then cfg.init's weights
+            cfg.model, self.tok.vocab_size, self.device, cfg.seed
+        )  # seeded init, then cfg.model.init's weights
         self.model.train()
         if info.enabled:
             from k2_model.parallelize import parallelize
 
             cfg.validate_layout(info.world_size, self.model.config.n_routed_experts)
             parallelize(self.model, data_parallel=True, ep=cfg.ep)
-        self.optimizer = build_optimizer(cfg, self.model)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
         self.log(
-            f"k2 rl: trainer on {self.device} x {info.world_size} process(es); {cfg.optimizer} "
-            f"(lr {cfg.lr:g}); Newton-Schulz: {describe_ns_dtype(cfg, self.device)}"
+            f"k2 rl: trainer on {self.device} x {info.world_size} process(es); {cfg.optim.optimizer} "
+            f"(lr {cfg.optim.lr:g}); Newton-Schulz: {describe_ns_dtype(cfg.optim, self.device)}"
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _s: 1.0)
         self.loss = (
-            KimiK15Loss(cfg.rl_tau, cfg.ptx_coef) if cfg.loss == "k15" else GRPOClippedLoss(cfg.clip_eps)
+            KimiK15Loss(cfg.objective.rl_tau, cfg.objective.ptx_coef)
+            if cfg.objective.loss == "k15"
+            else GRPOClippedLoss(cfg.objective.clip_eps)
         )
-        K = cfg.samples_per_prompt
+        K = cfg.rollouts.samples_per_prompt
         local_prompts = cfg.prompts_per_iteration // info.world_size
         self.rows_per_micro = (cfg.micro_prompts or local_prompts) * K
         self.metrics = JSONLMetrics(run_dir / METRICS) if info.is_main else None
@@ -317,7 +319,7 @@ class _Loop:
             config=TrainerConfig(
                 steps=cfg.steps,
                 micro_batch=self.rows_per_micro,
-                grad_clip=cfg.grad_clip,
+                grad_clip=cfg.optim.grad_clip,
                 bias_update_speed=cfg.bias_update_speed,
             ),
             info=info,
@@ -344,10 +346,10 @@ class _Loop:
             self.tok.save(run_dir / "tokenizer")
         if self.metrics is not None:
             self.metrics.on_fit_start(self.trainer)  # on resume: drop rows after the saved step
-        self.ptx = self._ptx_rows() if cfg.ptx_coef else None
+        self.ptx = self._ptx_rows() if cfg.objective.ptx_coef else None
 
     def _reward_name(self, task: dict) -> str:
-        return task.get("reward") or self.cfg.reward
+        return task.get("reward") or self.cfg.rewards.reward
 
     def _resolve_rewards(self) -> None:
         """The reward names the tasks use, split into per-response and group rewards."""
@@ -381,7 +383,7 @@ class _Loop:
     def _make_critic(self) -> Any:
         from k2_rl.rewards.critic import HTTPCritic, PolicyCritic
 
-        url = self.cfg.critic_url or self.engine.chat_url()
+        url = self.cfg.rubric.critic_url or self.engine.chat_url()
         if url is None:
             raise ValueError(
                 "the rubric reward needs a critic, and the rollout worker serves only /generate "
@@ -399,8 +401,8 @@ class _Loop:
             )
         return HTTPCritic(
             url,
-            self.cfg.critic_model,
-            max_concurrency=self.cfg.critic_concurrency,
+            self.cfg.rubric.critic_model,
+            max_concurrency=self.cfg.rubric.critic_concurrency,
             cache=self.run_dir / "critic_cache.sqlite",
         )
 
@@ -409,11 +411,11 @@ class _Loop:
         from k2_data.chat import render_ids_with_mask
 
         rows = []
-        for i, line in enumerate(Path(self.cfg.ptx_data).read_text().splitlines(), 1):
+        for i, line in enumerate(Path(self.cfg.objective.ptx_data).read_text().splitlines(), 1):
             if line.strip():
                 rec = json.loads(line)
                 if "messages" not in rec:
-                    raise ValueError(f"{self.cfg.ptx_data}:{i}: no field 'messages'")
+                    raise ValueError(f"{self.cfg.objective.ptx_data}:{i}: no field 'messages'")
                 rows.append(render_ids_with_mask(self.tok, rec["messages"], rec.get("tools")))
         return rows
 
@@ -468,7 +470,7 @@ class _Loop:
             metrics.update({f"{name}_{k}": v for k, v in scores.stats.items()})
         raw = [r for g in grouped for r in g]
         truncated = [s.finish_reason == "length" for g in samples for s in g]
-        penalty = self.cfg.truncation_penalty
+        penalty = self.cfg.rewards.truncation_penalty
         shaped = [budget_penalty(r, cut, penalty) for r, cut in zip(raw, truncated)]
         return _Rewards(shaped, raw, errors, texts, grouped, metrics)
 
@@ -478,7 +480,7 @@ class _Loop:
         from k2_rl.rewards.rubric import write_sft
 
         rubric = self.group_rewards.get("rubric")
-        if rubric is None or not self.cfg.critic_refine_pairs:
+        if rubric is None or not self.cfg.rubric.critic_refine_pairs:
             return {}
         ver = [p for p, t in enumerate(tasks) if self._reward_name(t) not in self.group_names]
         if not ver:
@@ -486,7 +488,7 @@ class _Loop:
         t0 = time.perf_counter()
         ref = rubric.refine(
             [(tasks[p]["messages"], scored.texts[p], tasks[p], scored.grouped[p]) for p in ver],
-            max_pairs=self.cfg.critic_refine_pairs,
+            max_pairs=self.cfg.rubric.critic_refine_pairs,
             seed=derive_seed(self.cfg.seed, "critic-refine", iteration),
         )
         path = self.run_dir / "critic_sft" / f"iteration-{iteration + 1:06d}.jsonl"
@@ -501,7 +503,7 @@ class _Loop:
         main = self.info.is_main
         prompts = [self.render(t["messages"]) for t in self.heldout] if main else []
         samples = self.engine.generate(
-            prompts, n=1, temperature=0.0, max_tokens=self.cfg.max_response_tokens, seed=0
+            prompts, n=1, temperature=0.0, max_tokens=self.cfg.rollouts.max_response_tokens, seed=0
         )
         if not main:
             return {}
@@ -524,8 +526,8 @@ class _Loop:
         self.pool = None
         if self.info.is_main:  # rewards are computed by rank 0 only
             self.pool = RewardPool(
-                self.cfg.reward_workers,
-                timeout_s=self.cfg.reward_timeout_s,
+                self.cfg.rewards.reward_workers,
+                timeout_s=self.cfg.rewards.reward_timeout_s,
                 preload=tuple(self.response_names),
             )
         try:
@@ -550,7 +552,7 @@ class _Loop:
             dd.shutdown(self.info)
 
     def _iterate(self) -> None:
-        cfg, K, info = self.cfg, self.cfg.samples_per_prompt, self.info
+        cfg, K, info = self.cfg, self.cfg.rollouts.samples_per_prompt, self.info
         main = info.is_main
         first_eval = main and self.it_state.iteration == 0 and not self._logged_initial_eval()
         if cfg.eval_every and self.heldout and dd.broadcast_object(first_eval, info):
@@ -573,8 +575,8 @@ class _Loop:
                 prompt_ids,
                 n=K,
                 temperature=temperature,
-                top_p=cfg.top_p,
-                max_tokens=cfg.max_response_tokens,
+                top_p=cfg.rollouts.top_p,
+                max_tokens=cfg.rollouts.max_response_tokens,
                 seed=derive_seed(cfg.seed, "rollout", it),
             )
             rollout_s = time.perf_counter() - t0
@@ -602,7 +604,7 @@ class _Loop:
                 self.loss.recorded_logp_old.clear()
             else:
                 batch["logp_old"] = policy_logprobs(self.model, batch, chunk)
-                if cfg.loss == "grpo":
+                if cfg.objective.loss == "grpo":
                     batch["logp_old_tok"] = policy_logprobs(self.model, batch, chunk, per_token=True)
             step_rows = []
             for u in range(cfg.updates_per_iteration):

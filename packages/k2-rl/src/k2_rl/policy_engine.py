@@ -66,7 +66,7 @@ class PolicyEngine:
 
     def _start_engine(self) -> None:
         cfg = self.cfg
-        if cfg.rollout == "inprocess":
+        if cfg.rollouts.rollout == "inprocess":
             engine_model = copy.deepcopy(self.model).eval()
             self.rollout = Rollout(engine_model, self.stop_ids, max_batch_size=64, seed=cfg.seed)
             return
@@ -85,7 +85,7 @@ class PolicyEngine:
         self.worker = RolloutWorker(
             init_dir,
             device=str(self.device),
-            threads=cfg.rollout_threads,
+            threads=cfg.rollouts.rollout_threads,
             seed=cfg.seed,
             log_path=self.run_dir / "rollout.log",
         )
@@ -166,7 +166,7 @@ class PolicyEngine:
     def free_cache(self) -> dict[str, float]:
         """Engine switching: with the policy on a GPU (or `free_rollout_cache="on"`) the rollout
         engine gives its KV pool back before the trainer runs; the next rollout regrows it."""
-        mode = self.cfg.free_rollout_cache
+        mode = self.cfg.rollouts.free_rollout_cache
         if self.rollout is None or mode == "off" or (mode == "auto" and self.device.type != "cuda"):
             return {}
         t0 = time.perf_counter()

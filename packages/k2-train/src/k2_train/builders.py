@@ -1,5 +1,6 @@
-"""Builders from a run config: device and dtype, the model (a preset's random init, or weights to
-start from), the optimizer and the WSD schedule."""
+"""Builders, each from the config component it needs: device and dtype (the run config), the model
+(a ModelSpec: a preset's random init, or weights to start from), the optimizer (an OptimConfig)
+and the WSD schedule (a WSDConfig)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 import torch
 from k2_model import K2Config, K2ForCausalLM
 from k2_model.device import pick_device
+from k2_model.spec import ModelSpec
 from k2_optim import MuonClip, wsd_schedule
+from k2_optim.config import OptimConfig, WSDConfig
 from torch import nn
 
 from k2_train.config import PretrainConfig
@@ -42,12 +45,11 @@ def _init_source(init: str) -> tuple[str, Path]:
     )
 
 
-def model_config(cfg: PretrainConfig) -> K2Config:
+def model_config(spec: ModelSpec) -> K2Config:
     """The architecture: the init weights' config when the run starts from some, else the preset."""
-    init = getattr(cfg, "init", None)
-    if init is None:
-        return K2Config.preset(cfg.preset, **cfg.model_overrides)
-    kind, path = _init_source(init)
+    if spec.init is None:
+        return K2Config.preset(spec.preset, **spec.model_overrides)
+    kind, path = _init_source(spec.init)
     if kind == "hf":
         return K2Config.from_hf(str(path))
     from k2_train.state import read_state
@@ -72,113 +74,95 @@ def load_init_weights(model: K2ForCausalLM, init: str) -> str:
     return f"train state {path} (step {state['step']})"
 
 
-def build_model(cfg: PretrainConfig, vocab_size: int, device: torch.device) -> K2ForCausalLM:
-    """The model on `device`: seeded random init, then the `init` weights when the config has them."""
-    config = model_config(cfg)
+def build_model(spec: ModelSpec, vocab_size: int, device: torch.device, seed: int) -> K2ForCausalLM:
+    """The model on `device`: random init seeded by `seed`, then the `init` weights when the spec
+    has them."""
+    config = model_config(spec)
+    where = f"--init {spec.init}" if spec.init else f"preset {spec.preset!r}"
     if config.vocab_size < vocab_size:
-        where = f"--init {cfg.init}" if getattr(cfg, "init", None) else f"preset {cfg.preset!r}"
         raise ValueError(
             f"{where} has vocab_size={config.vocab_size}, smaller than the tokenizer's {vocab_size}; "
             "set model_overrides.vocab_size (or use the tokenizer the model was trained with)"
         )
     from k2_model.memory import check_fits
 
-    where = f"--init {cfg.init}" if getattr(cfg, "init", None) else f"--preset {cfg.preset}"
+    where = f"--init {spec.init}" if spec.init else f"--preset {spec.preset}"
     check_fits(config, where, weight_bytes=4, training=True)  # built in fp32 on the CPU first
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(seed)
     model = K2ForCausalLM(config)
-    if getattr(cfg, "init", None):
-        load_init_weights(model, cfg.init)
+    if spec.init:
+        load_init_weights(model, spec.init)
     model = model.to(device)
-    model.set_attention_impl(cfg.attention)
+    model.set_attention_impl(spec.attention)
     return model
 
 
-def describe_attention(model: K2ForCausalLM, cfg: PretrainConfig, device: torch.device) -> str:
+def describe_attention(model: K2ForCausalLM, attention: str, device: torch.device) -> str:
     """Which attention path training uses, for the start-up line."""
     from k2_model.model import fused_attention_available
 
     c = model.config
     fused = fused_attention_available(device, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim)
-    if cfg.attention == "auto":
+    if attention == "auto":
         return "fused (k2_kernels)" if fused else "sdpa/eager (no compiled k2_kernels attention here)"
-    return cfg.attention
+    return attention
 
 
-def describe_ns_dtype(cfg: PretrainConfig, device: torch.device) -> str:
+def describe_ns_dtype(optim: OptimConfig, device: torch.device) -> str:
     """The Newton-Schulz dtype the run will use and why, for the start-up line."""
     from k2_optim.muon import cpu_has_native_bf16, default_ns_dtype
 
-    if cfg.optimizer == "adamw":
+    if optim.optimizer == "adamw":
         return "none (AdamW)"
-    chosen = str(default_ns_dtype(device, cfg.ns_dtype)).removeprefix("torch.")
-    if cfg.ns_dtype != "auto":
-        return f"{chosen} (--ns-dtype {cfg.ns_dtype})"
+    chosen = str(default_ns_dtype(device, optim.ns_dtype)).removeprefix("torch.")
+    if optim.ns_dtype != "auto":
+        return f"{chosen} (--ns-dtype {optim.ns_dtype})"
     if device.type == "cpu":
         why = "native bf16 GEMMs" if cpu_has_native_bf16() else "bf16 emulated on this CPU"
         return f"{chosen} (auto: {why})"
     return f"{chosen} (auto: {device.type})"
 
 
-def build_optimizer(cfg: PretrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    if cfg.optimizer == "adamw":
+def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
+    if optim.optimizer == "adamw":
         decay = [p for p in model.parameters() if p.ndim >= 2]
         no_decay = [p for p in model.parameters() if p.ndim < 2]
         return torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr,
+            [
+                {"params": decay, "weight_decay": optim.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=optim.lr,
             betas=(0.9, 0.95),
         )
     # Muon for hidden matrices, AdamW for embeddings / head / 1-D; QK-Clip only for "muonclip".
     opt = MuonClip(
         model,
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        tau=cfg.tau if cfg.optimizer == "muonclip" else None,
-        ns_dtype=cfg.ns_dtype,  # "auto" / "fp32" / "bf16": Muon takes the names
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        tau=optim.tau if optim.optimizer == "muonclip" else None,
+        ns_dtype=optim.ns_dtype,  # "auto" / "fp32" / "bf16": Muon takes the names
     )
-    if cfg.adamw_lr:
+    if optim.adamw_lr:
         for group in opt.param_groups:
             if group.get("algorithm") == "adamw":
-                group["lr"] = cfg.adamw_lr
+                group["lr"] = optim.adamw_lr
     return opt
 
 
 def build_schedule(
-    cfg: PretrainConfig, optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer, schedule: WSDConfig, steps: int
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """WSD: `warmup_steps`, then constant, then a cosine decay over `decay_fraction` of the
-    schedule's span (`schedule_steps`, default the run's steps), then held at the floor."""
-    warmup, stable, decay = wsd_phases(cfg, schedule_span(cfg))
-    return wsd_schedule(optimizer, warmup, stable, decay, cfg.min_lr_ratio)
-
-
-def schedule_span(cfg: PretrainConfig) -> int:
-    """The steps the WSD schedule spans: `schedule_steps`, or the run's steps."""
-    return getattr(cfg, "schedule_steps", 0) or cfg.steps
-
-
-def wsd_phases(cfg: PretrainConfig, span: int) -> tuple[int, int, int]:
-    """(warmup, stable, decay) steps of a WSD schedule spanning `span` steps."""
-    warmup = min(cfg.warmup_steps, span)
-    decay = min(int(round(span * cfg.decay_fraction)), span - warmup)
-    return warmup, span - warmup - decay, decay
-
-
-def lr_factors(cfg: PretrainConfig, span: int, steps: int) -> list[float]:
-    """The lr multiplier of the first `steps` optimizer steps under a schedule spanning `span`."""
-    from k2_optim.schedule import wsd_factor
-
-    phases = wsd_phases(cfg, span)
-    return [wsd_factor(t, *phases, cfg.min_lr_ratio) for t in range(steps)]
+    schedule's span (`schedule_steps`, default the run's `steps`), then held at the floor."""
+    warmup, stable, decay = schedule.phases(schedule.span(steps))
+    return wsd_schedule(optimizer, warmup, stable, decay, schedule.min_lr_ratio)
 
 
 __all__ = [
     "build_model",
     "build_optimizer",
     "build_schedule",
-    "lr_factors",
-    "schedule_span",
     "describe_attention",
     "describe_ns_dtype",
     "load_init_weights",

@@ -1,95 +1,70 @@
-"""Run configurations: one dataclass per task (pretraining, SFT), loadable from JSON/TOML,
-overridable by flags. `TrainConfig.trainer_config()` is the part the Trainer itself reads.
+"""Run configurations: one dataclass per task (pretraining, SFT), composed of the component
+configs of the packages that build each part, loadable from JSON/TOML, overridable by flags.
+`TrainConfig.trainer_config()` is the part the Trainer itself reads.
 
-Every field is declared with `option(default, help)`: its help text lives on the field (dataclass
-metadata), and the `k2` command generates one flag per field from it (`k2_stack.config_flags`),
-so a field cannot exist without a flag or a flag without a field."""
+    PretrainConfig
+      model:    k2_model.ModelSpec    preset, model_overrides, init, attention
+      optim:    k2_optim.OptimConfig  optimizer, lr, adamw_lr, weight_decay, tau, ns_dtype, grad_clip
+      schedule: k2_optim.WSDConfig    warmup_steps, decay_fraction, schedule_steps, min_lr_ratio
+      dataset:  k2_data.DataConfig    data, tokenizer, max_corpus_mb, val_fraction, document_mask,
+                                      packing, seq_len
+      and the run's own fields (steps, batch, eval_every, out, seed, device, ep, ...)
+
+Every leaf keeps one flat name (`cfg.optim.lr` is `lr`: `--lr`, `{"lr": ...}` in a file), see
+k2_train.config_tree. Every field is declared with its help text in the field's metadata
+(`option(default, help)` here), and the `k2` command generates one flag per field from it
+(`k2_stack.config_flags`), so a field cannot exist without a flag or a flag without a field.
+In code, `PretrainConfig.flat(lr=..., seq_len=...)` builds a config from flat names."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import types
-import typing
-from dataclasses import MISSING, dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from k2_data.config import PACKINGS, DataConfig
 from k2_model.device import DEVICE_CHOICES, device_name_ok
+from k2_model.spec import ModelSpec
+from k2_optim.config import NS_DTYPES, OPTIMIZERS, OptimConfig, WSDConfig
 
-OPTIMIZERS = ("muonclip", "muon", "adamw")
-NS_DTYPES = ("auto", "fp32", "bf16")
-PACKINGS = ("stream", "whole")
+from k2_train.config_tree import apply_overrides, from_flat_dict, option, to_flat_dict, type_problem
 
+__all__ = [
+    "NS_DTYPES",
+    "OPTIMIZERS",
+    "PACKINGS",
+    "PretrainConfig",
+    "RunConfig",
+    "SFTConfig",
+    "SFTData",
+    "option",
+]
 
-def option(
-    default: Any = MISSING,
-    help: str = "",
-    *,
-    default_factory: Any = MISSING,
-    choices: tuple[str, ...] | None = None,
-    flag: bool = True,
-) -> Any:
-    """A config field with its help text (and allowed values) in the field's metadata, which the
-    `k2` command's flags are generated from. `flag=False`: a field kept for stored configs only."""
-    if not help:
-        raise ValueError("option(): every config field needs its help text")
-    metadata = {"help": help, "choices": choices, "flag": flag}
-    if default_factory is not MISSING:
-        return field(default_factory=default_factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def _type_problem(value: Any, annotation: Any) -> str | None:
-    """None when `value` (read from a JSON/TOML file) fits the field's annotation, else the
-    expected type in words. An int is a fine float; a bool is not an int."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(annotation)
-        if value is None and type(None) in options:
-            return None
-        problems = [_type_problem(value, a) for a in options if a is not type(None)]
-        if any(p is None for p in problems):
-            return None
-        return " or ".join(problems) + (" or null" if type(None) in options else "")
-    base = origin or annotation
-    if base is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif base is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif base in (str, bool, dict, list):
-        ok = isinstance(value, base)
-    else:  # a type this check does not know: left to the config's validate()
-        return None
-    words = {float: "a number", int: "an integer", str: "a string", bool: "true or false",
-             dict: "a table/object", list: "a list"}  # fmt: skip
-    return None if ok else words[base]
+_type_problem = type_problem  # the per-field type check of from_dict (k2_train.config_tree)
 
 
 class RunConfig:
-    """What every run config shares (a dataclass with a class attribute `task`): `to_dict`, and
-    `from_dict` / `from_file` (JSON or TOML, optionally under a `[task]` table) that name unknown
-    fields and the file. k2-rl's RLConfig uses it too."""
+    """What every run config shares (a dataclass with a class attribute `task`): `to_dict` (flat),
+    `from_dict` / `from_file` (JSON or TOML, optionally under a `[task]` table; flat keys or
+    component tables) that name unknown fields and the file, and `flat(**fields)` for code.
+    k2-rl's RLConfig uses it too."""
 
     task = "run"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        """{flat field name: value}: the form of `--config` files, flags and stored config.json."""
+        return to_flat_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config"):
-        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(
-                f"{source}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-            )
-        hints = typing.get_type_hints(cls)
-        for name, value in d.items():
-            expected = _type_problem(value, hints[name])
-            if expected:
-                raise ValueError(f"{source}: {name} = {value!r}: expected {expected}")
-        return cls(**d)
+        return from_flat_dict(cls, d, source)
+
+    @classmethod
+    def flat(cls, **fields: Any):
+        """The defaults with these fields (by flat name, e.g. `lr=0.01`) replaced."""
+        return apply_overrides(cls(), fields)
 
     @classmethod
     def from_file(cls, path: str | Path):
@@ -129,79 +104,36 @@ class RunConfig:
             )
 
 
+# The counters `eval_every`, `save_every` and `stop_at` count the task loop's unit: optimizer steps
+# here, iterations in k2-rl (one iteration = rollouts + updates_per_iteration steps). It is the
+# unit of metrics.jsonl's rows and of the train state, so "every N" means the same in both.
+
+
 @dataclass
 class PretrainConfig(RunConfig):
-    # model
-    preset: str = option("tiny", "model preset (tiny, kimi-k2, deepseek-v3)")
-    model_overrides: dict[str, Any] = option(
-        default_factory=dict,
-        help="K2Config fields over the preset, as JSON (e.g. '{\"n_routed_experts\": 64}')",
-    )
-    # optimizer (K2 recipe: Muon with RMS matched to AdamW, weight decay 0.1, tau 100 at scale)
-    optimizer: str = option("muonclip", "muonclip | muon | adamw", choices=OPTIMIZERS)
-    lr: float = option(
-        2e-2, "peak learning rate (Muon's, with RMS matched to AdamW; AdamW's for --optimizer adamw)"
-    )
-    # With muon/muonclip: the AdamW learning rate of embeddings, LM head and 1-D parameters.
-    # (At scale K2 shares one lr thanks to Muon's RMS matching; at this tiny scale an embedding
-    # table at Muon's lr of ~1e-2 makes the loss spike, so it gets its own.) 0 = same as lr.
-    adamw_lr: float = option(
-        3e-3, "with muon/muonclip: AdamW lr of embeddings, head and 1-D params (0 = --lr)"
-    )
-    weight_decay: float = option(0.1, "decoupled weight decay")
-    tau: float = option(30.0, "QK-Clip threshold (also drawn on the max-logit plot of non-clipping runs)")
-    # Newton-Schulz compute dtype: "auto" = bf16 where bf16 GEMMs are native (CUDA, CPUs with
-    # AMX / AVX512-BF16), fp32 where bf16 is emulated (AVX2 CPUs, where it is ~30x slower)
-    ns_dtype: str = option(
-        "auto",
-        "Newton-Schulz dtype: auto (bf16 where bf16 GEMMs are native, else fp32), fp32, bf16",
-        choices=NS_DTYPES,
-    )
-    grad_clip: float = option(1.0, "gradient-norm clip (0 = off)")
+    model: ModelSpec = option(default_factory=ModelSpec, help="the model: preset, overrides, init, attention")
+    # K2 recipe: Muon with RMS matched to AdamW, weight decay 0.1, tau 100 at scale
+    optim: OptimConfig = option(default_factory=OptimConfig, help="the optimizer and QK-Clip")
     # WSD schedule, as fractions of the run (warmup, then constant, then cosine to min_lr_ratio)
-    warmup_steps: int = option(10, "WSD warmup steps")
-    decay_fraction: float = option(0.2, "WSD: fraction of the run spent in the cosine decay")
-    schedule_steps: int = option(
-        0,
-        "steps the WSD schedule spans (0: --steps); past its end the lr holds at min_lr_ratio x lr. "
-        "Set when extending a finished run (--resume RUN --steps N) to say what the lr does",
-    )
-    min_lr_ratio: float = option(0.1, "WSD: the final lr as a fraction of the peak")
+    schedule: WSDConfig = option(default_factory=WSDConfig, help="the WSD learning-rate schedule")
+    dataset: DataConfig = option(default_factory=DataConfig, help="the data and its packing")
     # aux-loss-free balancing: the bias step per optimizer step
     bias_update_speed: float = option(1e-3, "aux-loss-free balancing: the bias step per optimizer step")
     # batch: global batch in sequences; micro_batch sequences per forward (gradient accumulation)
     steps: int = option(200, "optimizer steps")
     batch: int = option(8, "global batch in sequences")
     micro_batch: int = option(0, "sequences per forward (gradient accumulation); 0 = whole batch")
-    seq_len: int = option(256, "tokens per sequence")
-    # data: None = the running interpreter's standard library source
-    data: str | None = option(
-        None,
-        "corpus file/dir or tokenized dir, or sources mixed by weight, e.g. raw:0.5,rephrased:0.5 (None: this Python's standard library source)",
-    )
-    tokenizer: str | None = option(None, "tokenizer dir (default: k2-data's bundled BPE)")
-    max_corpus_mb: float = option(0.0, "use only the first N MB of the default corpus (0 = all)")
-    val_fraction: float = option(0.02, "fraction of documents held out for the validation loss")
-    # Attend only within each packed document, with positions restarting at its start.
-    document_mask: bool = option(
-        False, "attend only within each packed document (positions restart at its start)"
-    )
-    # "stream": documents concatenated and cut into windows (every token a label once);
-    # "whole": each sample holds whole documents only, padded (SFT conversations).
-    packing: str = option(
-        "stream",
-        "stream (documents concatenated and cut into windows) or whole (whole documents per sample, padded)",
-        choices=PACKINGS,
-    )
-    eval_every: int = option(50, "validation loss every N steps (0 = off)")
+    eval_every: int = option(50, "validation loss every N optimizer steps (0 = off)")
     eval_batches: int = option(4, "validation batches per evaluation")
     # run
     out: str = option("runs/pretrain", "the run directory")
     cache_dir: str | None = option(
         None, "where tokenized data and generated example sets are cached (None: $K2_CACHE, else ~/.cache/k2)"
     )
-    save_every: int = option(100, "save the train state every N steps (the last step is always saved)")
-    stop_at: int = option(0, "stop after this step and save the train state, as an interrupt would")
+    save_every: int = option(
+        100, "save the train state every N optimizer steps (the last step is always saved)"
+    )
+    stop_at: int = option(0, "stop after this optimizer step and save the train state, as an interrupt would")
     seed: int = option(0, "random seed (model init and data order)")
     threads: int = option(0, "torch threads (0 = torch's default)")
     # Recompute activations in backward: "full" = every decoder layer, "selective" = every
@@ -210,13 +142,6 @@ class PretrainConfig(RunConfig):
         "none",
         "recompute layers in backward: every layer (full), every other layer (selective) or none",
         choices=("none", "full", "selective"),
-    )
-    # "auto": k2_kernels' fused attention (max logits from the kernel, no score matrix) where a
-    # compiled kernel serves the device, else SDPA/eager; or force "fused", "sdpa", "eager".
-    attention: str = option(
-        "auto",
-        "attention path: auto (the fused k2_kernels kernel where it serves the device), fused, sdpa or eager",
-        choices=("auto", "fused", "sdpa", "eager"),
     )
     # After each step, re-run the step's first micro-batch (no grad) and log the max logit the
     # updated (clipped) weights give: `max_logit_after_clip`. Costs about a third of a step.
@@ -236,23 +161,19 @@ class PretrainConfig(RunConfig):
     task = "pretrain"  # a class attribute: which entry point's config this is
 
     def validate(self) -> None:
+        where = f"{self.task} config"
+
         def need(cond: bool, name: str, what: str) -> None:
             if not cond:
-                raise ValueError(f"{self.task} config: {name}={getattr(self, name)!r}: expected {what}")
+                raise ValueError(f"{where}: {name}={getattr(self, name)!r}: expected {what}")
 
-        need(self.optimizer in OPTIMIZERS, "optimizer", f"one of {', '.join(OPTIMIZERS)}")
-        need(self.lr > 0, "lr", "> 0")
-        need(self.adamw_lr >= 0, "adamw_lr", ">= 0")
-        need(self.tau > 0, "tau", "> 0")
-        need(self.ns_dtype in NS_DTYPES, "ns_dtype", f"one of {', '.join(NS_DTYPES)}")
+        self.optim.validate(where)
         need(self.steps > 0, "steps", "> 0")
         need(self.batch > 0, "batch", "> 0")
         need(self.micro_batch >= 0, "micro_batch", ">= 0")
         need(self.micro_batch == 0 or self.batch % self.micro_batch == 0, "micro_batch", "a divisor of batch")
-        need(self.seq_len > 1, "seq_len", "> 1")
-        need(0 <= self.decay_fraction <= 1, "decay_fraction", "in [0, 1]")
-        need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]")
-        need(0 < self.val_fraction < 1, "val_fraction", "in (0, 1)")
+        self.dataset.validate(where)
+        self.schedule.validate(where)
         need(self.eval_every >= 0, "eval_every", ">= 0")
         need(self.save_every >= 0, "save_every", ">= 0")
         need(self.dtype in ("auto", "fp32", "bf16"), "dtype", "auto, fp32 or bf16")
@@ -261,20 +182,17 @@ class PretrainConfig(RunConfig):
             "activation_checkpointing",
             "none, full or selective",
         )
-        need(self.attention in ("auto", "fused", "sdpa", "eager"), "attention", "auto, fused, sdpa or eager")
-        need(self.packing in PACKINGS, "packing", " or ".join(PACKINGS))
+        self.model.validate(where)
         need(self.stop_at >= 0, "stop_at", ">= 0")
         need(self.ep >= 1, "ep", ">= 1")
         need(self.threads >= 0, "threads", ">= 0 (0 = torch's default)")
-        need(self.warmup_steps >= 0, "warmup_steps", ">= 0")
-        need(self.schedule_steps >= 0, "schedule_steps", ">= 0 (0 = --steps)")
         need(device_name_ok(self.device), "device", DEVICE_CHOICES)
 
     def warnings(self) -> list[str]:
         out = super().warnings()
-        if self.warmup_steps >= self.steps:
+        if self.schedule.warmup_steps >= self.steps:
             out.append(
-                f"warmup_steps={self.warmup_steps} >= steps={self.steps}: the learning rate is still "
+                f"warmup_steps={self.schedule.warmup_steps} >= steps={self.steps}: the learning rate is still "
                 "warming up when the run ends (it never reaches --lr)"
             )
         return out
@@ -285,7 +203,7 @@ class PretrainConfig(RunConfig):
         return TrainerConfig(
             steps=self.steps,
             micro_batch=self.micro_batch,
-            grad_clip=self.grad_clip,
+            grad_clip=self.optim.grad_clip,
             bias_update_speed=self.bias_update_speed,
             eval_every=self.eval_every,
             save_every=self.save_every,
@@ -295,41 +213,33 @@ class PretrainConfig(RunConfig):
 
 
 @dataclass
-class SFTConfig(PretrainConfig):
-    """Supervised fine-tuning on chat data: the same run, with chat data, a masked loss (the
-    data's loss mask: assistant turns only), whole-conversation packing and a document mask."""
+class SFTData(DataConfig):
+    """SFT's data: chat data, whole conversations per sample, attention kept inside each one."""
 
-    # Start from these weights: an HF-format dir (`k2 export`, from_pretrained) or a k2 run dir
-    # (its latest train state); None = a random init of `preset`.
-    init: str | None = option(
-        None,
-        "start from these weights: an HF-format dir (`k2 export`) or a k2 run dir (None: random init of --preset)",
-    )
     # data: None = the shipped tool-use example set (k2_data.examples.tooluse), generated once
     data: str | None = option(
         None,
         "chat JSONL/Parquet/Arrow (messages + tools) or a dir from `k2 data sft` (None: the shipped tool-use example set)",
     )
-    packing: str = option(
-        "whole",
-        "stream (documents concatenated and cut into windows) or whole (whole documents per sample, padded)",
+    val_fraction: float = 0.05
+    document_mask: bool = True
+    packing: str = "whole"
+    seq_len: int = 1024
+
+
+@dataclass
+class SFTConfig(PretrainConfig):
+    """Supervised fine-tuning on chat data: the same run, with chat data, a masked loss (the
+    data's loss mask: assistant turns only), whole-conversation packing and a document mask."""
+
+    optim: OptimConfig = option(
+        default_factory=partial(OptimConfig, lr=1e-2), help="the optimizer and QK-Clip"
     )
-    document_mask: bool = option(
-        True, "attend only within each packed document (positions restart at its start)"
+    schedule: WSDConfig = option(
+        default_factory=partial(WSDConfig, warmup_steps=20), help="the WSD learning-rate schedule"
     )
-    seq_len: int = option(1024, "tokens per sequence")
+    dataset: SFTData = option(default_factory=SFTData, help="the chat data and its packing")
     steps: int = option(300, "optimizer steps")
-    batch: int = option(8, "global batch in sequences")
-    lr: float = option(
-        1e-2, "peak learning rate (Muon's, with RMS matched to AdamW; AdamW's for --optimizer adamw)"
-    )
-    adamw_lr: float = option(
-        3e-3, "with muon/muonclip: AdamW lr of embeddings, head and 1-D params (0 = --lr)"
-    )
-    warmup_steps: int = option(20, "WSD warmup steps")
-    eval_every: int = option(50, "validation loss every N steps (0 = off)")
-    save_every: int = option(100, "save the train state every N steps (the last step is always saved)")
-    val_fraction: float = option(0.05, "fraction of documents held out for the validation loss")
     out: str = option("runs/sft", "the run directory")
 
     task = "sft"

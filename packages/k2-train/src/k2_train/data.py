@@ -48,23 +48,23 @@ def mixture_sources(cfg: PretrainConfig) -> list[tuple[str, float]] | None:
     """`--data a:0.7,b:0.3` -> [(a, 0.7), (b, 0.3)] (sources mixed by weight); None for one source.
 
     A path that exists is always one source, even with a ':' in its name."""
-    if cfg.data is None or Path(cfg.data).exists():
+    if cfg.dataset.data is None or Path(cfg.dataset.data).exists():
         return None
-    sources = parse_mixture(cfg.data, "--data")
-    if len(sources) == 1 and sources[0][0] == cfg.data:
+    sources = parse_mixture(cfg.dataset.data, "--data")
+    if len(sources) == 1 and sources[0][0] == cfg.dataset.data:
         return None  # a plain path (that does not exist: reported by the one-source path)
     return sources
 
 
 def prepare_tokenized(cfg: PretrainConfig, workers: int = 0) -> Path | list[Path]:
-    """A tokenized dataset directory for `cfg.data` (tokenizing into the cache when needed); for a
+    """A tokenized dataset directory for `cfg.dataset.data` (tokenizing into the cache when needed); for a
     mixture (`--data a:0.7,b:0.3`, pretraining only) one directory per source, in order."""
     if isinstance(cfg, SFTConfig):
         return prepare_chat(cfg, workers)
     sources = mixture_sources(cfg)
     if sources is not None:
         return [_prepare_one(cfg, path, workers) for path, _ in sources]
-    return _prepare_one(cfg, cfg.data, workers)
+    return _prepare_one(cfg, cfg.dataset.data, workers)
 
 
 def _prepare_one(cfg: PretrainConfig, data: str | None, workers: int) -> Path:
@@ -74,20 +74,20 @@ def _prepare_one(cfg: PretrainConfig, data: str | None, workers: int) -> Path:
     if data is not None and not Path(data).exists():
         raise FileNotFoundError(f"--data {data}: no such file or directory")
     files = None
-    if data is None and cfg.max_corpus_mb > 0:
-        files = _limited_default_corpus(cfg.max_corpus_mb)
+    if data is None and cfg.dataset.max_corpus_mb > 0:
+        files = _limited_default_corpus(cfg.dataset.max_corpus_mb)
     key = repr(
         (
             str(Path(data).resolve()) if data else "<stdlib>",
             [str(f) for f in files] if files is not None else None,
-            str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else "<default>",
+            str(Path(cfg.dataset.tokenizer).resolve()) if cfg.dataset.tokenizer else "<default>",
         )
     )
     cache = cache_root(cfg) / "tokenized" / hashlib.sha256(key.encode()).hexdigest()[:16]
     if files is not None:
-        tokenize_corpus(files, cache, tokenizer=cfg.tokenizer, config=tok_config)
+        tokenize_corpus(files, cache, tokenizer=cfg.dataset.tokenizer, config=tok_config)
         return cache
-    return ensure_tokenized(data, cache, tokenizer=cfg.tokenizer, config=tok_config)
+    return ensure_tokenized(data, cache, tokenizer=cfg.dataset.tokenizer, config=tok_config)
 
 
 def build_datasets(
@@ -100,7 +100,7 @@ def build_datasets(
         weights = [w for _, w in mixture_sources(cfg) or []]
         if len(weights) != len(tokenized):
             raise ValueError(
-                f"--data {cfg.data}: {len(tokenized)} tokenized sources for {len(weights)} weights"
+                f"--data {cfg.dataset.data}: {len(tokenized)} tokenized sources for {len(weights)} weights"
             )
         splits = [build_datasets(cfg, t) for t in tokenized]
         train = MixedDataset([tr for tr, _ in splits], weights, seed=cfg.seed)
@@ -108,11 +108,11 @@ def build_datasets(
         val = MixedDataset(vals, weights, seed=cfg.seed) if all(v is not None for v in vals) else None
         return train, val
     common = dict(
-        seq_len=cfg.seq_len,
+        seq_len=cfg.dataset.seq_len,
         seed=cfg.seed,
-        val_fraction=cfg.val_fraction,
-        document_mask=cfg.document_mask,
-        packing=cfg.packing,
+        val_fraction=cfg.dataset.val_fraction,
+        document_mask=cfg.dataset.document_mask,
+        packing=cfg.dataset.packing,
     )
     train = PackedDataset(tokenized, split="train", **common)
     try:
@@ -127,26 +127,30 @@ def build_loader(train: PackedDataset, per_rank_batch: int, rank: int, world_siz
 
 
 def prepare_chat(cfg: SFTConfig, workers: int = 0) -> Path:
-    """A tokenized chat dataset (with loss masks) for `cfg.data`; None = the tool-use example set,
+    """A tokenized chat dataset (with loss masks) for `cfg.dataset.data`; None = the tool-use example set,
     generated and tokenized into the cache once."""
     from k2_data.sft import ChatTokenizeConfig, tokenize_chat
 
-    if cfg.data is not None and (Path(cfg.data) / "manifest.json").is_file():
-        return Path(cfg.data)
-    if cfg.data is not None and not Path(cfg.data).exists():
-        raise FileNotFoundError(f"--data {cfg.data}: no such file or directory")
-    source = Path(cfg.data) if cfg.data is not None else tooluse_example_dir(cache_root(cfg)) / "train.jsonl"
+    if cfg.dataset.data is not None and (Path(cfg.dataset.data) / "manifest.json").is_file():
+        return Path(cfg.dataset.data)
+    if cfg.dataset.data is not None and not Path(cfg.dataset.data).exists():
+        raise FileNotFoundError(f"--data {cfg.dataset.data}: no such file or directory")
+    source = (
+        Path(cfg.dataset.data)
+        if cfg.dataset.data is not None
+        else tooluse_example_dir(cache_root(cfg)) / "train.jsonl"
+    )
     key = repr(
         (
             str(source.resolve()),
             source.stat().st_mtime_ns if source.is_file() else 0,
-            str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else "<default>",
+            str(Path(cfg.dataset.tokenizer).resolve()) if cfg.dataset.tokenizer else "<default>",
         )
     )
     cache = cache_root(cfg) / "tokenized-chat" / hashlib.sha256(key.encode()).hexdigest()[:16]
     config = ChatTokenizeConfig(workers=workers or 1)
     if not (cache / "manifest.json").is_file():
-        tokenize_chat([source], cache, tokenizer=cfg.tokenizer, config=config)
+        tokenize_chat([source], cache, tokenizer=cfg.dataset.tokenizer, config=config)
     return cache
 
 

@@ -29,7 +29,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path) -> Path:
         config = K2Config.from_hf(meta["model_config"])
     else:
         config_cls = SFTConfig if meta.get("task") == "sft" else PretrainConfig
-        config = model_config(config_cls.from_dict(meta["config"], source=str(latest)))
+        config = model_config(config_cls.from_dict(meta["config"], source=str(latest)).model)
     model = K2ForCausalLM(config)
     model.load_state_dict(state["components"]["model"])
     return export_model(model, run_dir / "tokenizer", out_dir)

@@ -119,7 +119,7 @@ def _run(
     tokenized = dd.broadcast_object(tokenized, info)
     train_ds, val_ds = build_datasets(cfg, tokenized)
     if val_ds is None and cfg.eval_every:
-        log(f"no held-out documents at val_fraction={cfg.val_fraction}: validation is off")
+        log(f"no held-out documents at val_fraction={cfg.dataset.val_fraction}: validation is off")
     if info.is_main:
         _report_truncated(train_ds, cfg, log)
     if info.is_main and not (run_dir / "tokenizer").exists():
@@ -127,7 +127,7 @@ def _run(
     loader = build_loader(train_ds, per_rank, rank=info.rank, world_size=info.world_size)
 
     # model, optimizer, schedule
-    model = build_model(cfg, train_ds.vocab_size, device)
+    model = build_model(cfg.model, train_ds.vocab_size, device, cfg.seed)
     model.train()
     cfg.validate_layout(info.world_size, model.config.n_routed_experts)
     parallelize(
@@ -137,8 +137,8 @@ def _run(
         activation_checkpointing=cfg.activation_checkpointing,
         ep=cfg.ep,
     )
-    optimizer = build_optimizer(cfg, model)
-    scheduler = build_schedule(cfg, optimizer)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_schedule(optimizer, cfg.schedule, cfg.steps)
     # One process: fp32 master weights, bf16 matmuls by autocast. Under FSDP2 its mixed-precision
     # policy already casts the parameters to bf16 (and reduces in fp32).
     autocast = torch.bfloat16 if dtype == torch.bfloat16 and not info.enabled else None
@@ -172,18 +172,18 @@ def _run(
 
     n_params = sum(p.numel() for p in model.parameters())
     log(
-        f"k2 {cfg.task}: {_model_name(cfg)} ({n_params / 1e6:.2f}M params) with {cfg.optimizer} "
-        f"(lr {cfg.lr:g}, wd {cfg.weight_decay:g}"
-        + (f", tau {cfg.tau:g}" if cfg.optimizer == "muonclip" else "")
-        + f"), {cfg.steps} steps x {cfg.batch} x {cfg.seq_len} tokens on {device} ({str(dtype).split('.')[-1]})"
+        f"k2 {cfg.task}: {_model_name(cfg)} ({n_params / 1e6:.2f}M params) with {cfg.optim.optimizer} "
+        f"(lr {cfg.optim.lr:g}, wd {cfg.optim.weight_decay:g}"
+        + (f", tau {cfg.optim.tau:g}" if cfg.optim.optimizer == "muonclip" else "")
+        + f"), {cfg.steps} steps x {cfg.batch} x {cfg.dataset.seq_len} tokens on {device} ({str(dtype).split('.')[-1]})"
         + (f" x {info.world_size} processes (FSDP2)" if info.enabled and cfg.ep == 1 else "")
         + (f" x {info.world_size} processes (FSDP2 x EP{cfg.ep})" if cfg.ep > 1 else "")
         + "; "
         f"data {_describe_data(cfg, tokenized)} ({len(train_ds)} train / {len(val_ds) if val_ds else 0} val samples per epoch); "
         f"run dir {run_dir}"
         + (f"; resuming after step {trainer.step}" if resume else "")
-        + f"; attention: {describe_attention(model, cfg, device)}"
-        + f"; Newton-Schulz: {describe_ns_dtype(cfg, device)}"
+        + f"; attention: {describe_attention(model, cfg.model.attention, device)}"
+        + f"; Newton-Schulz: {describe_ns_dtype(cfg.optim, device)}"
     )
 
     def eval_batches():
@@ -204,7 +204,7 @@ def _run(
     if info.is_main and rows:
         from k2_train.plots import plot_runs
 
-        plots = plot_runs([(cfg.optimizer, rows)], run_dir / "plots", tau=cfg.tau)
+        plots = plot_runs([(cfg.optim.optimizer, rows)], run_dir / "plots", tau=cfg.optim.tau)
     vals = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
     logits = [r["max_logit"] for r in rows if r.get("max_logit") is not None]
     return RunResult(
@@ -243,7 +243,7 @@ def truncation_note(dataset, seq_len: int) -> str | None:
 
 
 def _report_truncated(dataset, cfg: PretrainConfig, log: Callable[[str], None]) -> None:
-    note = truncation_note(dataset, cfg.seq_len)
+    note = truncation_note(dataset, cfg.dataset.seq_len)
     if note:
         log(f"warning: {note}")
 
@@ -263,8 +263,8 @@ def _report_skipped(tokenized: Path, log: Callable[[str], None], show: int = 10)
 
 
 def _model_name(cfg: PretrainConfig) -> str:
-    init = getattr(cfg, "init", None)
-    return f"{cfg.preset} from {init}" if init else cfg.preset
+    spec = cfg.model
+    return f"{spec.preset} from {spec.init}" if spec.init else spec.preset
 
 
 def _silent(_: str) -> None:

@@ -470,13 +470,14 @@ class RubricReward(GroupReward):
 
     @classmethod
     def from_config(cls, cfg: Any, critic: Any) -> RubricReward:
-        """From an RLConfig's ``rubric_*`` fields."""
+        """From an RLConfig's rubric component (``cfg.rubric``: rubric_dir, rubric_aggregation, ...)."""
+        rubric = cfg.rubric
         return cls(
             critic,
-            rubric_dirs=[cfg.rubric_dir] if cfg.rubric_dir else [],
-            aggregation=cfg.rubric_aggregation,
-            floor=cfg.rubric_floor,
-            max_tokens=cfg.critic_max_tokens,
+            rubric_dirs=[rubric.rubric_dir] if rubric.rubric_dir else [],
+            aggregation=rubric.rubric_aggregation,
+            floor=rubric.rubric_floor,
+            max_tokens=rubric.critic_max_tokens,
         )
 
     def rubrics_for(self, task: dict) -> list[Rubric]:
