@@ -132,6 +132,21 @@ def test_nested_configs_get_flat_flags():
     with pytest.raises(TypeError, match="two config fields are named 'lr'"):
         flag_fields(Clash)
 
+    @dataclasses.dataclass
+    class Ambiguous:  # a file's {"optim": ...} could mean either
+        optim: _Optim = option(default_factory=_Optim, help="the optimizer")
+        other: _Other = option(default_factory=lambda: _Other(), help="more")
+
+    with pytest.raises(TypeError, match="optim names both a component and a field"):
+        flag_fields(Ambiguous)
+    titles = {g.title: {a.dest for a in g._group_actions} for g in p._action_groups}
+    assert titles["optim"] == {"lr", "ns_dtype"}  # --help lists a component's flags under its name
+
+
+@dataclasses.dataclass
+class _Other:
+    optim: str = option("x", "a field named like a component")
+
 
 def test_a_field_without_help_is_refused():
     with pytest.raises(ValueError, match="help"):

@@ -24,6 +24,7 @@ need control over the parser that those libraries take away, and this is ~100 li
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import types
 import typing
@@ -58,16 +59,23 @@ def _json_object(text: str) -> dict:
 def add_config_flags(parser: argparse.ArgumentParser, cls: type, skip: set[str] = frozenset()) -> None:
     """One `--flag` per field of `cls` (nested configs flattened), help and default from the field."""
     defaults = cls()
+    components = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+    groups: dict[str, Any] = {}  # --help lists a component's flags under its name
     for name, (path, typ, meta) in flag_fields(cls).items():
         if name in skip or not meta.get("flag", True):
             continue
+        target = parser
+        if len(path) > 1:
+            if path[0] not in groups:
+                groups[path[0]] = parser.add_argument_group(path[0], components[path[0]] or None)
+            target = groups[path[0]]
         flag = "--" + name.replace("_", "-")
         default = get_flat(defaults, path)
         help_ = f"{meta.get('help') or name.replace('_', ' ')} (default: {default})"
         kind = _scalar(typ)
         kw: dict[str, Any] = {"dest": name, "default": None, "help": help_}
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            target.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
             continue
         if kind is dict:
             kw.update(type=_json_object, metavar="JSON")
@@ -77,7 +85,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, skip: set[str] 
             raise TypeError(f"{cls.__name__}.{name}: no flag type for annotation {typ!r}")
         if meta.get("choices"):
             kw["choices"] = list(meta["choices"])
-        parser.add_argument(flag, **kw)
+        target.add_argument(flag, **kw)
 
 
 def config_overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
