@@ -136,13 +136,19 @@ def _watch(parent: int, grace_s: float) -> None:
     last = time.monotonic()
     while os.getppid() == parent:
         ready, _, _ = select.select([0], [], [], SCAN_EVERY_S)
-        if ready and not os.read(0, 4096):
+        data = os.read(0, 4096) if ready else b""
+        if ready and not data:
             break  # EOF: the parent's end closed with the parent
         if os.getppid() != parent:
             break
         if ready or time.monotonic() - last >= SCAN_EVERY_S:
             scan()
             last = time.monotonic()
+        if data.count(b"\n"):
+            try:
+                os.write(1, b"ok\n" * data.count(b"\n"))  # adopt() waits for its request's answer
+            except OSError:
+                pass
     deadline = time.monotonic() + grace_s
     running = _signal_all(signal.SIGTERM, me, group, known)
     while running and time.monotonic() < deadline:
@@ -167,18 +173,29 @@ class Tether:
         self.proc = subprocess.Popen(
             [sys.executable, "-I", "-S", os.path.abspath(__file__), str(self.owner), str(grace_s)],
             stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
             process_group=0,
             close_fds=True,
         )
         self.group = self.proc.pid
         self._lock = threading.Lock()
 
-    def send(self, line: str) -> bool:
+    def request(self, line: str, timeout_s: float = 5.0) -> bool:
+        """Send one request and wait for the watchdog's answer (it has acted on it then)."""
         with self._lock:
             try:
                 self.proc.stdin.write(line.encode() + b"\n")
                 self.proc.stdin.flush()
+                fd, answer = self.proc.stdout.fileno(), b""
+                deadline = time.monotonic() + timeout_s
+                while not answer.endswith(b"\n"):
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not select.select([fd], [], [], left)[0]:
+                        return False
+                    chunk = os.read(fd, 64)
+                    if not chunk:
+                        return False
+                    answer += chunk
                 return True
             except (BrokenPipeError, OSError, ValueError):
                 return False
@@ -218,12 +235,11 @@ def spawn(cmd: list[str], **popen_kw) -> subprocess.Popen:
 
 
 def adopt() -> None:
-    """Have the watchdog record this process's descendants now: call it right after a library
-    started processes its own way (multiprocessing, a new session), to close the gap until the
-    watchdog's next look."""
-    t = tether()
-    if not t.send("scan"):
-        tether()  # the watchdog died: a fresh one records the tree as it starts
+    """Have the watchdog record this process's descendants now (it returns once they are): call it
+    right after a library started processes its own way (multiprocessing, a new session), rather
+    than leave them to the watchdog's next look."""
+    if not tether().request("scan"):
+        tether().request("scan")  # the watchdog died (it is started again) or is slow: once more
 
 
 if __name__ == "__main__":
