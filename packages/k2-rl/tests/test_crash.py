@@ -19,6 +19,7 @@ from k2_data import lifetime
 from k2_model.testing import SMALL_OVERRIDES
 from k2_rl.config import RLConfig
 from k2_rl.rollout import RolloutWorker, port_in_use
+from k2_train.state import latest_state
 
 
 def _config(tmp_path: Path, **kw) -> Path:
@@ -83,15 +84,14 @@ def test_sigkill_of_k2_rl_leaves_no_process_and_no_port(tmp_path):
     out = _Output(proc)
     try:
         deadline = time.monotonic() + 300
-        while True:  # until the first iteration is saved: every child is up by then
+        while True:  # until the first iteration is saved (every child is up by then)
             assert proc.poll() is None, out.text[-3000:]
             assert time.monotonic() < deadline, out.text[-3000:]
-            if "rl iteration 1/" in out.text:
+            if "rl iteration 1/" in out.text and latest_state(tmp_path / "run") is not None:
                 break
             time.sleep(0.2)
         tree = lifetime.descendants(proc.pid)
-        cmds = _cmdlines(tree)
-        kinds = [c for c in cmds.values()]
+        kinds = list(_cmdlines(tree).values())
         assert sum("k2_rl.rollout" in c for c in kinds) == 1, kinds
         assert sum("spawn_main" in c for c in kinds) == 2, kinds  # the reward workers
         assert sum("resource_tracker" in c for c in kinds) == 1, kinds
@@ -114,8 +114,9 @@ def test_sigkill_of_k2_rl_leaves_no_process_and_no_port(tmp_path):
         assert resumed.returncode == 0, text[-3000:]
         ports = re.findall(r"rollout worker: pid \d+ at http://127\.0\.0\.1:(\d+)", text)
         assert len(ports) == 1 and "rl iteration 2/" in text
+        assert not port_in_use(int(ports[0]))  # and closes it when it ends
         rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-        assert [r["iteration"] for r in rows if "reward_mean" in r][-1] == 2
+        assert [r["iteration"] for r in rows if "reward_mean" in r] == [1, 2]
     finally:
         proc.kill()
         proc.wait()
