@@ -12,7 +12,9 @@ watchdog sends SIGTERM to its group (where `spawn` puts every child, so grandchi
 too), to the groups that recorded descendants lead (the MCP SDK and the sandbox start their
 children in new sessions) and to the other recorded descendants (multiprocessing's workers and its
 resource tracker, which then sees EOF on its own pipe and exits), waits `GRACE_S` for them, then
-SIGKILLs what is left, itself last.
+SIGKILLs what is left, itself last. The pipe's end is not inherited by exec'd children; a forked
+one keeps it open, which is why re-parenting counts too. The tied group is not the terminal's
+foreground group: Ctrl-C reaches this process, which stops its children its own way.
 
 Why not PR_SET_PDEATHSIG: it fires when the *thread* that forked exits (a pool thread's exit kills
 a healthy child) and never reaches grandchildren. A recorded pid is signalled only while its start
@@ -49,7 +51,11 @@ def _stat(pid: int) -> tuple[str, int, int, int] | None:
 
 def _table() -> dict[int, tuple[str, int, int, int]]:
     out = {}
-    for name in os.listdir("/proc"):
+    try:
+        names = os.listdir("/proc")
+    except OSError:  # no procfs (not Linux): the group is still tied, descendants are not recorded
+        return out
+    for name in names:
         if name.isdigit() and (st := _stat(int(name))) is not None:
             out[int(name)] = st
     return out
