@@ -79,6 +79,9 @@ class RLConfig(RunConfig):
         choices=("auto", "on", "off"),
     )
     rollout_threads: int = option(0, "torch threads of the rollout worker (0 = torch's default)")
+    rollout_port: int = option(
+        0, "loopback port of the rollout worker's HTTP API (0 = a free port, fresh at every start and resume)"
+    )
     reward_workers: int = option(2, "reward worker processes")
     reward_timeout_s: float = option(
         10.0, "seconds one reward call may take (a code reward's sandbox run included)"
@@ -183,6 +186,7 @@ class RLConfig(RunConfig):
         need(self.ep >= 1, "ep", ">= 1")
         need(self.kl_every >= 0, "kl_every", ">= 0")
         need(self.reward_workers > 0, "reward_workers", "> 0")
+        need(0 <= self.rollout_port <= 65535, "rollout_port", "0 (a free port) or a port in 1..65535")
         need(self.critic_concurrency > 0, "critic_concurrency", "> 0")
         need(self.critic_max_tokens > 0, "critic_max_tokens", "> 0")
         need(self.critic_refine_pairs >= 0, "critic_refine_pairs", ">= 0")
