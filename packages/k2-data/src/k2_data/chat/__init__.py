@@ -2,7 +2,8 @@
 
     from k2_data.chat import render, render_ids, parse_tool_calls, ToolCallStreamParser
 
-- `render(messages, tools=None, add_generation_prompt=False) -> str`
+- `render(messages, tools=None, add_generation_prompt=False, template="k2") -> str`; `template` is "k2" (k2's
+  own rendering), "kimi-k2-instruct-0905" or "kimi-k2-thinking" (Moonshot's released files, byte for byte)
 - `render_ids(tokenizer, messages, ...) -> list[int]` (alias `encode_chat`)
 - `render_ids_with_mask(tokenizer, messages, tools=None) -> (ids, loss_mask)`: SFT ids, 1 on assistant bodies
 - `validate_conversation(messages, tools=None)`: ValueError naming the field when it cannot be trained on
@@ -12,7 +13,10 @@
 
 from k2_data.chat.markers import DEFAULT_SYSTEM_PROMPT, GENERATION_PROMPT
 from k2_data.chat.parse import parse_tool_calls
+from k2_data.chat.released import RELEASED_TEMPLATES, sort_tools
 from k2_data.chat.render import (
+    K2_TEMPLATE,
+    TEMPLATES,
     encode_chat,
     render,
     render_chat,
@@ -27,6 +31,9 @@ from k2_data.chat.validate import validate_conversation
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
+    "K2_TEMPLATE",
+    "RELEASED_TEMPLATES",
+    "TEMPLATES",
     "GENERATION_PROMPT",
     "StreamEnd",
     "ToolCallStreamParser",
@@ -39,6 +46,7 @@ __all__ = [
     "render_ids_with_mask",
     "render_segments",
     "segments_to_ids",
+    "sort_tools",
     "tools_json",
     "validate_conversation",
 ]
