@@ -4,6 +4,7 @@
 
 - `render(messages, tools=None, add_generation_prompt=False, template="k2") -> str`; `template` is "k2" (k2's
   own rendering), "kimi-k2-instruct-0905" or "kimi-k2-thinking" (Moonshot's released files, byte for byte)
+- `normalize_tool_call_ids(messages)`: ids renamed to the `functions.NAME:IDX` shape K2 was trained on
 - `render_ids(tokenizer, messages, ...) -> list[int]` (alias `encode_chat`)
 - `render_ids_with_mask(tokenizer, messages, tools=None) -> (ids, loss_mask)`: SFT ids, 1 on assistant bodies
 - `validate_conversation(messages, tools=None)`: ValueError naming the field when it cannot be trained on
@@ -11,6 +12,7 @@
 - `ToolCallStreamParser().feed(delta) / .finish()`: OpenAI chat-completion deltas as text arrives
 """
 
+from k2_data.chat.ids import normalize_tool_call_ids
 from k2_data.chat.markers import DEFAULT_SYSTEM_PROMPT, GENERATION_PROMPT
 from k2_data.chat.parse import parse_tool_calls
 from k2_data.chat.released import RELEASED_TEMPLATES, sort_tools
@@ -39,6 +41,7 @@ __all__ = [
     "ToolCallStreamParser",
     "accumulate_deltas",
     "encode_chat",
+    "normalize_tool_call_ids",
     "parse_tool_calls",
     "render",
     "render_chat",

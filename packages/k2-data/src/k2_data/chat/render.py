@@ -23,10 +23,10 @@ run of text (one BPE encode) ever straddles trained and untrained tokens.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from k2_data.chat.ids import K2_CALL_ID  # the id shape K2 was trained on
 from k2_data.chat.markers import (
     ARGUMENT_BEGIN,
     CALL_BEGIN,
@@ -57,9 +57,6 @@ TEMPLATES = (K2_TEMPLATE, *RELEASED_TEMPLATES)
 
 Segment = tuple[str, bool]  # (text, is_marker): a marker is exactly one special token
 TaggedSegment = tuple[str, bool, bool]  # (text, is_marker, trainable)
-
-# the id shape K2 was trained on; the index counts calls across the whole conversation
-K2_CALL_ID = re.compile(r"functions\.(?P<name>.+):(?P<index>\d+)", re.DOTALL)
 
 
 def tools_json(tools: Sequence[Mapping[str, Any]]) -> str:
