@@ -8,8 +8,10 @@
 - `render_ids(tokenizer, messages, ...) -> list[int]` (alias `encode_chat`)
 - `render_ids_with_mask(tokenizer, messages, tools=None) -> (ids, loss_mask)`: SFT ids, 1 on assistant bodies
 - `validate_conversation(messages, tools=None)`: ValueError naming the field when it cannot be trained on
-- `parse_tool_calls(text) -> (content, tool_calls)`; malformed sections stay content, with a warning
-- `ToolCallStreamParser().feed(delta) / .finish()`: OpenAI chat-completion deltas as text arrives
+- `parse_tool_calls(text, tools=None, strict=False) -> (content, tool_calls)`; malformed calls are dropped
+  with a warning (strict: malformed sections stay content)
+- `ToolCallStreamParser(tools=None, strict=False).feed(delta) / .finish()`: OpenAI deltas as text arrives
+- `k2_data.chat.reasoning.split_reasoning(text)`: a thinking reply's `<think>...</think>` and the rest
 """
 
 from k2_data.chat.ids import normalize_tool_call_ids
