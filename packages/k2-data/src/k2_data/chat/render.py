@@ -172,10 +172,10 @@ def _tagged_segments(
                 f"{where}: field 'tool_calls' is only allowed on assistant messages (role is {role!r})"
             )
         content = msg.get("content")
-        if content is None and not tool_calls:
-            raise ValueError(
-                f"{where}: field 'content' is missing (only an assistant message with tool_calls may omit it)"
-            )
+        if content is None and role != "assistant":
+            # an assistant turn without content renders empty, as in the released templates (a reply
+            # that was only a call cut off by max_tokens comes back that way)
+            raise ValueError(f"{where}: field 'content' is missing (only an assistant message may omit it)")
         text = "" if content is None else _content_text(content, where)
 
         if role == "tool":
