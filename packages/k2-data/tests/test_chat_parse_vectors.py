@@ -1,4 +1,4 @@
-"""vLLM's kimi_k2 tool-parser test cases, stored as data with their commit, against k2's parser.
+"""vLLM's and SGLang's kimi_k2 tool-parser test cases, stored as data with their commits, against k2's parser.
 
 Each vector holds what vLLM's test asserts (`expect`); where k2 answers differently it also holds k2's
 answer (`k2`) and the reason. Both the whole-text parse and the stream (in the vector's own deltas and
@@ -13,8 +13,12 @@ from pathlib import Path
 import pytest
 from k2_data.chat import ToolCallStreamParser, accumulate_deltas, parse_tool_calls
 
-DOC = json.loads((Path(__file__).parent / "data" / "kimi_k2_parser_vectors_vllm.json").read_text())
-VECTORS = DOC["vectors"]
+DATA = Path(__file__).parent / "data"
+DOCS = {
+    name: json.loads((DATA / f"kimi_k2_parser_vectors_{name}.json").read_text())
+    for name in ("vllm", "sglang")
+}
+VECTORS = [dict(v, id=f"{name}:{v['id']}") for name, doc in DOCS.items() for v in doc["vectors"]]
 
 
 def check(expect: dict, content: str, calls: list[dict]) -> None:
@@ -30,9 +34,11 @@ def check(expect: dict, content: str, calls: list[dict]) -> None:
         assert marker not in content
 
 
-def test_source_is_pinned():
-    assert DOC["source"]["repo"] == "vllm-project/vllm" and len(DOC["source"]["commit"]) == 40
-    assert len(VECTORS) == 29
+def test_sources_are_pinned():
+    assert DOCS["vllm"]["source"]["repo"] == "vllm-project/vllm"
+    assert DOCS["sglang"]["source"]["repo"] == "sgl-project/sglang"
+    assert all(len(doc["source"]["commit"]) == 40 for doc in DOCS.values())
+    assert [len(doc["vectors"]) for doc in DOCS.values()] == [29, 7]
     # every disagreement is written down with its reason
     assert all(v.get("reason") for v in VECTORS if "k2" in v)
     assert sum("k2" in v for v in VECTORS) == 4
