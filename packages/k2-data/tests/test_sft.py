@@ -370,6 +370,20 @@ def test_cli_sft_lists_skipped_records(chat_jsonl, tmp_path, capsys):
     assert code == 1 and err.strip().splitlines()[-1].startswith(f"error: {chat_jsonl}:2: invalid JSON")
 
 
+def test_cli_sft_chat_template_and_ids_flags(tmp_path, capsys):
+    src = tmp_path / "chat.jsonl"
+    src.write_text(json.dumps({"messages": GOOD, "tools": TOOLS}) + "\n")
+    argv = ["data", "sft", str(src), "--out", str(tmp_path / "t"), "--workers", "1"]
+    code, _, _ = _cli([*argv, "--chat-template", "kimi-k2-thinking", "--no-normalize-ids"], capsys)
+    m = load_manifest(tmp_path / "t")
+    assert code == 0 and (m["chat_template"], m["normalize_ids"]) == ("kimi-k2-thinking", False)
+    [row] = _rows(tmp_path / "t")
+    assert (
+        row["input_ids"]
+        == render_ids_with_mask(load_tokenizer(), GOOD, TOOLS, template="kimi-k2-thinking")[0]
+    )
+
+
 def test_cli_sft_shows_only_ten_skipped(tmp_path, capsys):
     path = tmp_path / "many.jsonl"
     path.write_text(

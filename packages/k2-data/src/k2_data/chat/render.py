@@ -1,6 +1,9 @@
 """Render OpenAI-style chat messages in the Kimi K2 format, as text or as token ids.
 
-The layout follows the released Kimi-K2-Instruct chat template:
+`template="k2"` (the default) is k2's own variant, described here; it is what the shipped presets, SFT
+sets and demo models were made with. `"kimi-k2-instruct-0905"` and `"kimi-k2-thinking"` are Moonshot's
+released templates byte for byte (`k2_data.chat.released`). k2's variant follows the July 2025
+Kimi-K2-Instruct layout:
 
     [<|im_system|>tool_declare<|im_middle|>{tools JSON}<|im_end|>]        only when tools are given
     [<|im_system|>system<|im_middle|>{default system prompt}<|im_end|>]   when messages[0] is not system
