@@ -257,6 +257,21 @@ def test_released_template_and_id_normalisation(template, tmp_path):
     assert "call_1" in tok.decode(row["input_ids"])
 
 
+def test_reasoning_content_is_trained_with_the_thinking_template(tmp_path):
+    msgs = [dict(m) for m in GOOD]
+    msgs[2]["reasoning_content"] = "I need the add tool."
+    msgs[4]["reasoning_content"] = "The tool said 5."
+    src = tmp_path / "chat.jsonl"
+    src.write_text(json.dumps({"messages": msgs, "tools": TOOLS}) + "\n")
+    tokenize_chat([src], tmp_path / "out", config=ChatTokenizeConfig(template="kimi-k2-thinking"))
+    [row] = _rows(tmp_path / "out")
+    tok = load_tokenizer()
+    trained = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
+    # both turns are after the last final answer of the prompt: trained with their reasoning
+    assert trained.startswith("<think>I need the add tool.</think><|tool_calls_section_begin|>")
+    assert trained.endswith("<think>The tool said 5.</think>2 + 3 = 5.<|im_end|>")
+
+
 def test_parquet_structs_and_arrow_json_strings(tmp_path):
     tok = load_tokenizer()
     records = [{"conv": GOOD, "fns": TOOLS}, {"conv": PLAIN, "fns": None}, {"conv": [PLAIN[0]], "fns": None}]
