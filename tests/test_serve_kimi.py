@@ -170,3 +170,17 @@ def test_tool_schemas_are_strict_only_when_asked():
     assert "f" in tool_grammars([tool])
     with pytest.raises(ValueError, match="tools: function 'f' parameters"):
         tool_grammars([{"type": "function", "function": {"name": "f", "parameters": params, "strict": True}}])
+
+
+def test_a_malformed_message_is_named_with_its_index(ctx):
+    bad = [{"role": "user", "content": "x"}, {"role": "user", "content": [{"type": "audio"}]}]
+    with pytest.raises(APIError) as e:
+        plan_chat(ctx, _req(bad))
+    assert (e.value.status, e.value.param) == (400, "messages[1].content[0].type")
+    bad = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": ""}}]},
+    ]
+    with pytest.raises(APIError) as e:
+        plan_chat(ctx, _req(bad))
+    assert e.value.param == "messages[1].tool_calls[0].function.name"

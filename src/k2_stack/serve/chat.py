@@ -15,6 +15,7 @@ a structured-decoding logits processor, as is `response_format`.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -61,6 +62,7 @@ class ChatPlan:
 
 
 THINKING_TEMPLATE = "kimi-k2-thinking"
+_WHERE = re.compile(r"(messages\[\d+\](?:\.tool_calls\[\d+\])?)(?:: field '([^']+)')?")
 CHAT_TEMPLATE_KWARGS = {"thinking": bool}  # the chat_template_kwargs k2 serve knows
 
 
@@ -153,7 +155,10 @@ def plan_chat(ctx: ServeContext, req: ChatCompletionRequest) -> ChatPlan:
             template=ctx.chat_template,
         )
     except (ValueError, TypeError, KeyError) as e:
-        raise APIError(400, f"messages: {e}", "messages") from None
+        # the renderer's errors start with where: `messages[3].tool_calls[0]: field ...`
+        where = _WHERE.match(str(e))
+        param = "messages" if where is None else ".".join(p for p in where.groups() if p)
+        raise APIError(400, f"messages: {e}", param) from None
     reasoning = ctx.chat_template == THINKING_TEMPLATE
     if reasoning and not thinking:  # an empty reasoning block: the model answers at once
         prompt_ids += segments_to_ids(ctx.tokenizer, [(THINK_BEGIN, True), (THINK_END, True)])
