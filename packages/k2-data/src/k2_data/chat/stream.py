@@ -18,7 +18,8 @@ marker (or, if it never comes, at `finish()`: its complete calls by default, raw
 `strict=True`). By default no tool-call marker is ever sent as content (a stray one is dropped; content
 holds back a tail that could start any marker). Clients cannot run a call before its arguments are complete.
 
-Eager mode (`eager=True`, what vLLM does; always strict): a call is announced as soon as its `<|tool_call_argument_begin|>`
+Eager mode (`eager=True`, what vLLM does; always strict; a bare-counter header resolves only when `tools`
+holds one function, since the arguments that would tell are not there yet): a call is announced as soon as its `<|tool_call_argument_begin|>`
 arrives and its arguments stream as they arrive. On well-formed output the merged stream is the same as
 in held mode. When a section turns out malformed after calls were announced, the section's raw text still
 goes out as content (so the content agrees with `parse_tool_calls`), those calls are listed in
