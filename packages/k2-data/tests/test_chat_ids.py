@@ -70,14 +70,21 @@ def test_a_reused_client_id_answers_the_latest_call():
     ]
 
 
-@pytest.mark.parametrize("case", [c for c in CORPUS if c[1]], ids=[c[0] for c in CORPUS if c[1]])
+def _k2_renders(case) -> bool:
+    try:
+        render(case[1], case[2], case[3])
+    except ValueError:  # conversations k2's own variant refuses (the released templates render them)
+        return False
+    return True
+
+
+K2_CASES = [c for c in CORPUS if c[1] and _k2_renders(c)]
+
+
+@pytest.mark.parametrize("case", K2_CASES, ids=[c[0] for c in K2_CASES])
 def test_k2_rendering_already_normalises(case):
     _, messages, tools, gen = case
-    try:
-        expected = render(messages, tools, gen)
-    except ValueError:
-        pytest.skip("k2's renderer refuses this conversation")
-    assert render(normalize_tool_call_ids(messages), tools, gen) == expected
+    assert render(normalize_tool_call_ids(messages), tools, gen) == render(messages, tools, gen)
 
 
 def test_released_templates_see_only_k2_ids_after_normalising():
