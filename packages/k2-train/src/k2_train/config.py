@@ -132,7 +132,7 @@ class RunConfig:
 @dataclass
 class PretrainConfig(RunConfig):
     # model
-    preset: str = option("tiny", "model preset (tiny, kimi-k2, deepseek-v3)")
+    preset: str = option("tiny", "model preset (tiny, tiny-vllm, kimi-k2, deepseek-v3)")
     model_overrides: dict[str, Any] = option(
         default_factory=dict,
         help="K2Config fields over the preset, as JSON (e.g. '{\"n_routed_experts\": 64}')",
