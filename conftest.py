@@ -1,6 +1,9 @@
 """Repository-wide pytest setup.
 
 - `cuda` tests are skipped on machines without a GPU.
+- `vllm` tests (a real vLLM beside k2 serve, tests/test_vllm.py) are deselected unless `-m` names
+  them: `make test-vllm` creates .venv-vllm and runs `pytest -m vllm`. The default run never
+  starts vLLM (about 30 s and a 3.5 GB venv) and never depends on it.
 - With K2_REQUIRE_KERNELS=1 (CI sets it), the compiled kernels must load: the session stops at
   once if `k2_kernels._C` is missing, and a test skipped because a compiled kernel is unavailable
   fails instead. Otherwise a broken kernel build would turn the kernel tests into skips and the
@@ -67,6 +70,11 @@ def pytest_sessionstart(session):
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    if "vllm" not in (config.option.markexpr or ""):
+        vllm = [item for item in items if item.get_closest_marker("vllm")]
+        if vllm:
+            config.hook.pytest_deselected(items=vllm)
+            items[:] = [item for item in items if not item.get_closest_marker("vllm")]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on a GPU machine)")

@@ -71,7 +71,9 @@ def prepare_model(init: str | None, out: Path, seed: int) -> Path:
     if init is not None and (Path(init) / "config.json").is_file() and not (Path(init) / "state").is_dir():
         return Path(init)  # already HF format
     if init is not None:
-        subprocess.run([sys.executable, "-m", "k2_stack", "export", init, "--out", str(hf)], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "k2_stack", "export", init, "--out", str(hf), "--force"], check=True
+        )
         return hf
     import torch
     from k2_data import load_tokenizer

@@ -136,7 +136,7 @@ def export_random_init(run: Path, out: Path) -> Path:
     saved.pop("task", None)
     cfg = SFTConfig.from_dict(saved, source=str(run / "config.json"))
     model = build_model(cfg.model, 0, torch.device("cpu"), cfg.seed)
-    return export_model(model, run / "tokenizer", out)
+    return export_model(model, run / "tokenizer", out, force=True)
 
 
 def _steps_done(run: Path) -> int:
@@ -188,7 +188,7 @@ def main() -> int:
         # the run may have been trained earlier (or beside other runs): its own step times count
         metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         train_s = sum(m.get("step_s") or 0.0 for m in metrics)
-        run_k2("export", str(run), "--out", str(hf))
+        run_k2("export", str(run), "--out", str(hf), "--force")
         with Server("--model", str(hf), "--device", args.device) as srv:
             sft = evaluate(srv.url, heldout, args.max_tokens)
         init = export_random_init(run, args.out / f"seed{seed}-init-hf")

@@ -39,6 +39,14 @@ def test_attention_benchmark_prints_its_table():
     assert len(cells) == 11 and all(c.strip() not in ("", "-") for c in cells)  # memory measured too
 
 
+def test_k2vv_conformance_benchmark_prints_its_table():
+    out = run_bench("k2vv.py", "--synthetic", "10", "--max-tokens", "16")
+    (row,) = [line for line in out.splitlines() if line.startswith("| 10 |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # every request answered (200 or a named 400; 2 of 10 are malformed on purpose), no markup, streams agree
+    assert cells[2] == "2" and cells[3] == "0" and cells[7:9] == ["0", "0"], row
+
+
 def test_rephrase_client_benchmark_prints_its_table():
     out = run_bench(
         "rephrase.py", "--concurrency", "4", "--requests", "20", "--sequential", "3", "--latency-ms", "50"

@@ -20,6 +20,7 @@ TOOL = {
     "type": "function",
     "function": {
         "name": "get_weather",
+        "strict": True,  # exactly these keys: a random model's call then ends well within --max-tokens
         "parameters": {
             "type": "object",
             "properties": {"city": {"type": "string", "enum": ["Paris", "Lima"]}},

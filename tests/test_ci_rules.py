@@ -31,3 +31,27 @@ def test_only_declared_dependencies_turn_a_skip_into_a_failure():
     assert c._missing_declared_dep("could not import 'k2_stack.cli': boom") == "k2_stack.cli"
     assert c._missing_declared_dep("could not import 'trl': No module named 'trl'") is None
     assert c._missing_declared_dep("needs a CUDA GPU") is None
+
+
+def test_vllm_tests_run_only_when_named():
+    """The default run (and `-m "not slow and not dist"`) deselects the `vllm` tests, so it never
+    depends on .venv-vllm; `-m vllm` (make test-vllm) collects them all."""
+    import re
+    import subprocess
+    import sys
+
+    def collect(*args: str) -> str:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args,
+             "tests/test_vllm.py"],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        return proc.stdout
+
+    named = collect("-m", "vllm")
+    ids = [line for line in named.splitlines() if line.startswith("tests/test_vllm.py::")]
+    assert len(ids) >= 5 and "deselected" not in named
+    for args in ((), ("-m", "not slow and not dist")):
+        out = collect(*args)
+        assert re.search(rf"\b{len(ids)} deselected", out), out[-500:]
+        assert "tests/test_vllm.py::" not in out

@@ -154,7 +154,7 @@ def test_a_field_without_help_is_refused():
 
 
 # Every field's default as the flat configs declared them, before they were composed of component
-# configs (written by `PretrainConfig().to_dict()` etc. at commit 5f23328).
+# configs (written by `PretrainConfig().to_dict()` etc. at commit fb71228).
 DEFAULTS_BEFORE = json.loads((ROOT / "tests" / "fixtures" / "config_defaults.json").read_text())
 
 

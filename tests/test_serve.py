@@ -25,6 +25,7 @@ WEATHER = {
     "function": {
         "name": "get_weather",
         "description": "Weather in a city",
+        "strict": True,  # exactly these keys (without it extra properties are allowed, as in OpenAI)
         "parameters": {
             "type": "object",
             "properties": {
@@ -39,6 +40,7 @@ LOOKUP = {
     "type": "function",
     "function": {
         "name": "lookup",
+        "strict": True,
         "parameters": {
             "type": "object",
             "properties": {"q": {"type": "string", "maxLength": 10}},

@@ -53,7 +53,9 @@ def test_several_calls_whitespace_and_trailing_text():
 
 def test_no_section_is_all_content():
     for text in ["", "plain answer", f"mentions {CB} outside a section", f"stray {SE} end"]:
-        assert parse_tool_calls(text) == (text, [])
+        assert parse_tool_calls(text, strict=True) == (text, [])
+    # by default a stray tool-call marker is not shown (vLLM and SGLang drop them too)
+    assert parse_tool_calls(f"stray {SE} end") == ("stray  end", [])
 
 
 MALFORMED = {
@@ -73,22 +75,45 @@ MALFORMED = {
 }
 
 
+# what the default (lenient) mode keeps of each: the valid calls, judged one by one
+LENIENT_CALLS = {
+    "unterminated section": ["f"],  # cut off after a complete call: the call is kept
+    "call end missing before next call": ["g"],
+    "text between calls": ["f", "g"],
+    "turn marker inside section": ["f"],
+    "nested section": ["f"],
+}
+
+
 @pytest.mark.parametrize("name", sorted(MALFORMED))
-def test_malformed_section_is_content_with_warning(name, caplog):
+def test_malformed_section_strict_is_content_with_warning(name, caplog):
+    text = "Sure. " + MALFORMED[name] + " bye"
+    with caplog.at_level(logging.WARNING, logger="k2_data.chat"):
+        content, calls = parse_tool_calls(text, strict=True)
+    assert (content, calls) == (text, [])
+    assert any("malformed tool-call section" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_section_default_keeps_valid_calls_and_no_markup(name, caplog):
     text = "Sure. " + MALFORMED[name] + " bye"
     with caplog.at_level(logging.WARNING, logger="k2_data.chat"):
         content, calls = parse_tool_calls(text)
-    assert (content, calls) == (text, [])
-    assert any("malformed tool-call section" in r.getMessage() for r in caplog.records)
+    assert [c["function"]["name"] for c in calls] == LENIENT_CALLS.get(name, [])
+    # the section never shows up in content; an unterminated one swallows the rest of the text
+    assert content == ("Sure. pre " if name == "unterminated section" else "Sure.  bye")
+    noise_only = {"empty section", "nested section", "text between calls", "turn marker inside section"}
+    assert bool(caplog.records) == (name not in noise_only)  # a dropped call is logged; ignored noise is not
 
 
 def test_good_section_after_a_malformed_one():
     # sections are judged one by one: a bad one stays text, a later good one still yields its call
     bad = SB + call("f", 0, "{oops}") + SE
     good = SB + call("g", 1, '{"x": 2}') + SE
-    content, calls = parse_tool_calls("a" + bad + "b" + good)
+    content, calls = parse_tool_calls("a" + bad + "b" + good, strict=True)
     assert content == "a" + bad + "b"
     assert [c["id"] for c in calls] == ["functions.g:1"]
+    assert parse_tool_calls("a" + bad + "b" + good) == ("ab", calls)
 
 
 def test_round_trip_render_then_parse():

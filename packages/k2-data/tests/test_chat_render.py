@@ -160,7 +160,6 @@ def test_tools_json_sorted_compact():
         ([{"role": "robot", "content": "x"}], r"messages\[0\]: field 'role' must be one of"),
         ([{"content": "x"}], r"messages\[0\]: field 'role'"),
         ([{"role": "user", "content": "x"}, {"role": "user"}], r"messages\[1\]: field 'content' is missing"),
-        ([{"role": "assistant", "content": None}], r"messages\[0\]: field 'content' is missing"),
         (
             [{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}],
             r"messages\[1\]: a tool message needs field 'tool_call_id'",
@@ -454,3 +453,11 @@ def test_text_runs_never_straddle_the_mask_boundary():
         _tagged_to_ids(
             load_tokenizer(), [("<|im_middle|>", True, False), ("ab", False, False), ("cd", False, True)]
         )
+
+
+def test_assistant_without_content_or_calls_is_an_empty_turn():
+    # as the released templates render it (a reply that was only a truncated call comes back so)
+    text = render([{"role": "user", "content": "x"}, {"role": "assistant", "content": None}])
+    assert text.endswith(
+        "<|im_user|>user<|im_middle|>x<|im_end|><|im_assistant|>assistant<|im_middle|><|im_end|>"
+    )

@@ -48,8 +48,10 @@ TEXTS = {
 }
 
 
-def stream(text: str, cuts: list[int], eager: bool = False) -> tuple[list[dict], bool, tuple[int, ...]]:
-    parser = ToolCallStreamParser(eager=eager)
+def stream(
+    text: str, cuts: list[int], eager: bool = False, strict: bool | None = None
+) -> tuple[list[dict], bool, tuple[int, ...]]:
+    parser = ToolCallStreamParser(eager=eager, strict=strict)
     deltas: list[dict] = []
     bounds = [0, *cuts, len(text)]
     for s, t in zip(bounds, bounds[1:]):
@@ -77,18 +79,19 @@ def check_openai_shape(deltas: list[dict]) -> None:
             assert tc["function"]["arguments"]
 
 
-@pytest.mark.parametrize("eager", [False, True], ids=["held", "eager"])
+@pytest.mark.parametrize("mode", ["held", "held-strict", "eager"])
 @pytest.mark.parametrize("name", sorted(TEXTS))
-def test_random_splits_equal_whole_parse(name, eager):
+def test_random_splits_equal_whole_parse(name, mode):
     text = TEXTS[name]
-    expected = parse_tool_calls(text)
+    eager, strict = mode == "eager", mode != "held"
+    expected = parse_tool_calls(text, strict=strict)
     rng = random.Random(name)
     splits = [[], list(range(1, len(text)))]  # whole text; one character at a time
     splits += [
         sorted(rng.sample(range(1, len(text)), rng.randint(1, min(12, len(text) - 1)))) for _ in range(200)
     ]
     for cuts in splits:
-        deltas, called, malformed = stream(text, cuts, eager)
+        deltas, called, malformed = stream(text, cuts, eager, strict)
         check_openai_shape(deltas)
         content, calls = accumulate_deltas(deltas)
         if not eager:
@@ -132,8 +135,20 @@ def test_content_streams_live_and_holds_only_a_marker_prefix():
         p.feed("x")
 
 
-def test_malformed_stream_degrades_to_content(caplog):
+def test_malformed_stream_default_drops_markup(caplog):
     p = ToolCallStreamParser()
+    assert p.feed("Try: " + SB + call("f", 0, '{"a": ')) == [{"content": "Try: "}]
+    with caplog.at_level(logging.WARNING, logger="k2_data.chat"):
+        end = p.finish()  # cut off inside the call: nothing of the section is shown
+    assert end == ([], False, ())
+    p = ToolCallStreamParser()
+    text = "x" + SB + call("f", 0, "{'bad'}") + call("g", 1, '{"ok": 1}') + SE + "y" + CE
+    deltas = p.feed(text) + p.finish().deltas
+    assert accumulate_deltas(deltas) == ("xy", parse_tool_calls(text)[1]) and p.tools_called
+
+
+def test_malformed_stream_strict_degrades_to_content(caplog):
+    p = ToolCallStreamParser(strict=True)
     out = p.feed("Try: " + SB + call("f", 0, '{"a": '))
     assert out == [{"content": "Try: "}]
     with caplog.at_level(logging.WARNING, logger="k2_data.chat"):
@@ -142,7 +157,7 @@ def test_malformed_stream_degrades_to_content(caplog):
     assert end.deltas == [{"content": SB + call("f", 0, '{"a": ')}]
     assert any("unterminated section" in r.getMessage() for r in caplog.records)
 
-    p = ToolCallStreamParser()
+    p = ToolCallStreamParser(strict=True)
     bad = SB + call("f", 0, "{'single': 'quotes'}") + SE
     with caplog.at_level(logging.WARNING, logger="k2_data.chat"):
         out = p.feed(bad[:30]) + p.feed(bad[30:])
@@ -243,14 +258,17 @@ def test_fuzzed_texts_agree_in_both_modes():
                 text = text[:j]
             else:
                 text = text[:i] + rng.choice(markers) + text[i:]
-        expected = parse_tool_calls(text)
+        expected = parse_tool_calls(text, strict=True)
+        lenient = parse_tool_calls(text)
         for _ in range(10):
             cuts = (
                 sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 15))))
                 if len(text) > 1
                 else []
             )
-            deltas, called, malformed = stream(text, cuts, eager=False)
+            deltas, called, malformed = stream(text, cuts)
+            assert accumulate_deltas(deltas) == lenient and called == bool(lenient[1]), (trial, text, cuts)
+            deltas, called, malformed = stream(text, cuts, strict=True)
             assert accumulate_deltas(deltas) == expected and called == bool(expected[1]), (trial, text, cuts)
             deltas, called, malformed = stream(text, cuts, eager=True)
             content, calls = accumulate_deltas(deltas)

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from k2_data import IGNORE_INDEX, BadRecordError, PackedDataset, load_manifest, load_tokenizer
-from k2_data.chat import render_ids, render_ids_with_mask, validate_conversation
+from k2_data.chat import normalize_tool_call_ids, render_ids, render_ids_with_mask, validate_conversation
 from k2_data.sft import ChatTokenizeConfig, tokenize_chat
 
 TOOLS = [
@@ -58,7 +58,10 @@ PLAIN = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content":
 def test_valid_conversations_pass():
     validate_conversation(GOOD, TOOLS)
     validate_conversation(PLAIN)
-    validate_conversation(GOOD)  # no tools given: any function name
+    with pytest.raises(
+        ValueError, match=r"messages\[2\].tool_calls\[0\]: .*'add', but the record declares no tools"
+    ):
+        validate_conversation(GOOD)  # calls without tools: the model never saw the function
     # a tool message may answer with the K2-shaped id the call is rendered as
     validate_conversation(_tool_use(answer_id="functions.add:0"), TOOLS)
     # arguments as an object (not a string) are fine
@@ -236,6 +239,39 @@ def test_on_error_fail_names_file_and_line(chat_jsonl, tmp_path):
         tokenize_chat([text_file], tmp_path / "c")
 
 
+@pytest.mark.parametrize("template", ["kimi-k2-instruct-0905", "kimi-k2-thinking"])
+def test_released_template_and_id_normalisation(template, tmp_path):
+    src = tmp_path / "chat.jsonl"
+    src.write_text(json.dumps({"messages": GOOD, "tools": TOOLS}) + "\n")
+    tok = load_tokenizer()
+    m = tokenize_chat([src], tmp_path / "on", config=ChatTokenizeConfig(template=template))
+    assert m["chat_template"] == template and m["normalize_ids"] is True
+    [row] = _rows(tmp_path / "on")
+    ids, mask = render_ids_with_mask(tok, normalize_tool_call_ids(GOOD), TOOLS, template=template)
+    assert (row["input_ids"], row["loss_mask"]) == (ids, mask)
+    assert "functions.add:0" in tok.decode(row["input_ids"]) and "call_1" not in tok.decode(row["input_ids"])
+    # --no-normalize-ids: the released template prints the record's own id
+    tokenize_chat([src], tmp_path / "off", config=ChatTokenizeConfig(template=template, normalize_ids=False))
+    [row] = _rows(tmp_path / "off")
+    assert row["input_ids"] == render_ids_with_mask(tok, GOOD, TOOLS, template=template)[0]
+    assert "call_1" in tok.decode(row["input_ids"])
+
+
+def test_reasoning_content_is_trained_with_the_thinking_template(tmp_path):
+    msgs = [dict(m) for m in GOOD]
+    msgs[2]["reasoning_content"] = "I need the add tool."
+    msgs[4]["reasoning_content"] = "The tool said 5."
+    src = tmp_path / "chat.jsonl"
+    src.write_text(json.dumps({"messages": msgs, "tools": TOOLS}) + "\n")
+    tokenize_chat([src], tmp_path / "out", config=ChatTokenizeConfig(template="kimi-k2-thinking"))
+    [row] = _rows(tmp_path / "out")
+    tok = load_tokenizer()
+    trained = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
+    # both turns are after the last final answer of the prompt: trained with their reasoning
+    assert trained.startswith("<think>I need the add tool.</think><|tool_calls_section_begin|>")
+    assert trained.endswith("<think>The tool said 5.</think>2 + 3 = 5.<|im_end|>")
+
+
 def test_parquet_structs_and_arrow_json_strings(tmp_path):
     tok = load_tokenizer()
     records = [{"conv": GOOD, "fns": TOOLS}, {"conv": PLAIN, "fns": None}, {"conv": [PLAIN[0]], "fns": None}]
@@ -347,6 +383,20 @@ def test_cli_sft_lists_skipped_records(chat_jsonl, tmp_path, capsys):
         ["data", "sft", str(chat_jsonl), "--out", str(tmp_path / "b"), "--on-error", "fail"], capsys
     )
     assert code == 1 and err.strip().splitlines()[-1].startswith(f"error: {chat_jsonl}:2: invalid JSON")
+
+
+def test_cli_sft_chat_template_and_ids_flags(tmp_path, capsys):
+    src = tmp_path / "chat.jsonl"
+    src.write_text(json.dumps({"messages": GOOD, "tools": TOOLS}) + "\n")
+    argv = ["data", "sft", str(src), "--out", str(tmp_path / "t"), "--workers", "1"]
+    code, _, _ = _cli([*argv, "--chat-template", "kimi-k2-thinking", "--no-normalize-ids"], capsys)
+    m = load_manifest(tmp_path / "t")
+    assert code == 0 and (m["chat_template"], m["normalize_ids"]) == ("kimi-k2-thinking", False)
+    [row] = _rows(tmp_path / "t")
+    assert (
+        row["input_ids"]
+        == render_ids_with_mask(load_tokenizer(), GOOD, TOOLS, template="kimi-k2-thinking")[0]
+    )
 
 
 def test_cli_sft_shows_only_ten_skipped(tmp_path, capsys):

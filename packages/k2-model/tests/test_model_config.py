@@ -59,6 +59,15 @@ def test_tiny_preset_keeps_k2_heads_and_tokenizer_vocab() -> None:
     assert c.first_k_dense_replace == 1 and not c.is_moe_layer(0) and c.is_moe_layer(1)
 
 
+def test_tiny_vllm_preset_is_tiny_with_k2s_mla_latent() -> None:
+    """vLLM's CPU MLA backends take only MLA head 576 (kv_lora_rank 512 + rope 64): K2's own."""
+    tiny, vllm = K2Config.preset("tiny"), K2Config.preset("tiny-vllm")
+    assert tiny.kv_lora_rank == 128  # unchanged: results and demos depend on it
+    assert vllm.kv_lora_rank + vllm.qk_rope_head_dim == 576
+    assert vllm.kv_lora_rank == K2Config.preset("kimi-k2").kv_lora_rank
+    assert vllm.replace(kv_lora_rank=128) == tiny
+
+
 @pytest.mark.parametrize(
     ("preset", "expected"), [("kimi-k2", 1_026_408_209_408), ("deepseek-v3", 671_026_404_352)]
 )

@@ -126,6 +126,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a bad record is skipped and listed (default) or fails the run",
     )
     sft.add_argument("--shard-mb", type=float, default=16.0, help="input per shard, in MiB")
+    sft.add_argument(
+        "--chat-template",
+        choices=["k2", "kimi-k2-instruct-0905", "kimi-k2-thinking"],  # k2_data.chat.TEMPLATES (kept light)
+        default="k2",
+        help="chat template: k2's own rendering (default) or one of Moonshot's released templates, byte-exact",
+    )
+    sft.add_argument(
+        "--no-normalize-ids",
+        dest="normalize_ids",
+        action="store_false",
+        help="keep tool-call ids as written (default: rename them to functions.NAME:IDX, as K2 was trained)",
+    )
     sft.set_defaults(func=run_sft)
 
     ex = sub.add_parser(
@@ -262,6 +274,8 @@ def run_sft(args: argparse.Namespace) -> int:
             workers=args.workers,
             on_error=args.on_error,
             shard_bytes=max(1, int(args.shard_mb * 2**20)),
+            template=args.chat_template,
+            normalize_ids=args.normalize_ids,
         )
         cfg.validate()
     except ValueError as e:

@@ -1,9 +1,10 @@
-"""`k2 export RUN_DIR --out HF_DIR`: a run's latest train state as an HF-format model (with the tokenizer
-and the Kimi chat template)."""
+"""`k2 export RUN_DIR --out HF_DIR`: a run's latest train state as an HF-format model (with the tokenizer,
+the Kimi chat template and generation_config.json)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -11,13 +12,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
         help="write a k2 pretrain/sft run's latest weights as an HF-format directory",
-        description="Write config.json, safetensors (DeepseekV3ForCausalLM names) and the tokenizer of a "
-        "`k2 pretrain` or `k2 sft` run into --out, loadable by K2ForCausalLM.from_pretrained and transformers, "
-        "with the Kimi K2 chat template (chat_template.jinja and tokenizer_config.json), so that "
-        "`apply_chat_template` and `transformers serve` render conversations exactly as `k2 serve` does.",
+        description="Write config.json, safetensors (DeepseekV3ForCausalLM names), the tokenizer and "
+        "generation_config.json of a `k2 pretrain` or `k2 sft` run into --out, loadable by "
+        "K2ForCausalLM.from_pretrained, transformers and vLLM, with the Kimi K2 chat template "
+        "(chat_template.jinja and tokenizer_config.json), so that `apply_chat_template` and "
+        "`transformers serve` render conversations exactly as `k2 serve` does, and generation stops at "
+        "<|im_end|>. Files get the umask's permissions.",
     )
     p.add_argument("run_dir", type=Path, help="a `k2 pretrain` or `k2 sft` run directory")
     p.add_argument("--out", type=Path, required=True, help="the HF-format output directory")
+    p.add_argument(
+        "--force", action="store_true", help="replace --out when it exists and is not empty (default: refuse)"
+    )
     p.set_defaults(func=run)
 
 
@@ -25,7 +31,10 @@ def run(args: argparse.Namespace) -> int:
     from k2_train.export import export_run
 
     try:
-        out = export_run(args.run_dir, args.out)
+        out = export_run(args.run_dir, args.out, force=args.force)
+    except FileExistsError as e:
+        print(f"k2 export: --out {e}", file=sys.stderr)
+        return 2
     except (FileNotFoundError, ValueError) as e:
         print(f"k2 export: {e}")
         return 2

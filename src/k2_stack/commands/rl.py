@@ -12,7 +12,15 @@ from pathlib import Path
 
 from k2_stack.config_flags import add_config_flags, apply_overrides, config_overrides
 
-RESUME_MAY_CHANGE = {"threads", "rollout_threads", "stop_at", "device", "reward_workers", "critic_url"}
+RESUME_MAY_CHANGE = {
+    "threads",
+    "rollout_threads",
+    "rollout_port",
+    "stop_at",
+    "device",
+    "reward_workers",
+    "critic_url",
+}
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -53,6 +53,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=0,
         help="rank in the k2-ckpt device id of the weight receiver mounted at /ckpt",
     )
+    p.add_argument(
+        "--chat-template",
+        choices=["k2", "kimi-k2-instruct-0905", "kimi-k2-thinking"],  # k2_data.chat.TEMPLATES
+        default="k2",
+        help="how prompts are rendered: k2's own chat format (default) or a released Kimi template "
+        "(kimi-k2-thinking also returns reasoning_content)",
+    )
+    p.add_argument(
+        "--no-normalize-ids",
+        dest="normalize_ids",
+        action="store_false",
+        help="render the client's tool-call ids as sent (default: rename them to functions.NAME:IDX)",
+    )
     p.add_argument("--no-ckpt-receiver", action="store_true", help="do not accept k2-ckpt weight updates")
     p.set_defaults(func=run)
 
@@ -146,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             enable_prefix_caching=not args.no_prefix_caching,
             log_stats_interval=args.log_stats_interval,
+            chat_template=args.chat_template,
+            normalize_ids=args.normalize_ids,
         )
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         return _fail(str(e))

@@ -39,6 +39,8 @@ class ServeConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     log_stats_interval: float = 10.0  # seconds between summary lines in the log (0: off)
+    chat_template: str = "k2"  # k2_data.chat template name the prompts are rendered with
+    normalize_ids: bool = True  # rename tool-call ids to functions.NAME:IDX before rendering
 
 
 class EngineBridge:

@@ -2,14 +2,20 @@
 tool_choice, structured output, sampling parameters), then engine pieces -> OpenAI's response body
 (`chat_response`) or its SSE stream (`chat_events`). No server needed: tests feed pieces directly.
 
-Tool calls in the generated text are parsed in the Kimi format (`k2_data.chat`), streamed as
-OpenAI deltas; `finish_reason` is "tool_calls" when a choice called one. `parallel_tool_calls:
+Tool calls in the generated text are parsed in the Kimi format (`k2_data.chat`, lenient: a malformed
+call is dropped, no markup reaches content), streamed as OpenAI deltas; `finish_reason` is "tool_calls"
+when a choice called one, "length" when max_tokens cut it (a cut call is not returned). Tool-call ids
+in the request are renamed to `functions.NAME:IDX` first (`normalize_ids`), and every tool message must
+answer an earlier call. With a thinking template the reply's `<think>...</think>` is returned as
+`reasoning_content` (message and deltas); `chat_template_kwargs: {"thinking": false}` prefills an empty
+reasoning block. `parallel_tool_calls:
 false` shows only a choice's first call. Forced `tool_choice` ("required" or a named function) is
 a structured-decoding logits processor, as is `response_format`.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,7 +23,15 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from k2_data.chat import ToolCallStreamParser, parse_tool_calls, render_ids
+from k2_data.chat import (
+    ToolCallStreamParser,
+    normalize_tool_call_ids,
+    parse_tool_calls,
+    render_ids,
+    segments_to_ids,
+)
+from k2_data.chat.markers import THINK_BEGIN, THINK_END
+from k2_data.chat.reasoning import ReasoningSplitter, split_reasoning
 from k2_model.engine import SamplingParams
 
 from k2_stack.serve.common import (
@@ -43,6 +57,48 @@ class ChatPlan:
     single_call: bool  # parallel_tool_calls false
     rid: str
     created: int
+    tools: list[dict[str, Any]] | None = None  # for bare-counter call ids in the output
+    reasoning: bool = False  # a thinking template: the reply opens with <think>...</think>
+
+
+THINKING_TEMPLATE = "kimi-k2-thinking"
+_WHERE = re.compile(r"(messages\[\d+\](?:\.tool_calls\[\d+\])?)(?:: field '([^']+)')?")
+CHAT_TEMPLATE_KWARGS = {"thinking": bool}  # the chat_template_kwargs k2 serve knows
+
+
+def check_tool_call_ids(messages: list[dict[str, Any]]) -> None:
+    """Every tool message answers a call of an earlier assistant message (400 naming the field)."""
+    seen: set[str] = set()
+    for i, m in enumerate(messages):
+        for call in m.get("tool_calls") or []:
+            seen.add(call.get("id"))
+        if m["role"] == "tool":
+            call_id = m.get("tool_call_id")
+            if not call_id:
+                raise APIError(400, f"messages[{i}].tool_call_id is required", f"messages[{i}].tool_call_id")
+            if call_id not in seen:
+                raise APIError(
+                    400,
+                    f"messages[{i}].tool_call_id {call_id!r} matches no tool call of an earlier assistant message",
+                    f"messages[{i}].tool_call_id",
+                )
+
+
+def thinking_enabled(req: ChatCompletionRequest) -> bool:
+    """`chat_template_kwargs.thinking` (default true); other keys are a 400 naming them."""
+    kwargs = req.chat_template_kwargs or {}
+    for key, value in kwargs.items():
+        if key not in CHAT_TEMPLATE_KWARGS:
+            raise APIError(
+                400,
+                f"chat_template_kwargs.{key} is not supported (known: {', '.join(CHAT_TEMPLATE_KWARGS)})",
+                f"chat_template_kwargs.{key}",
+            )
+        if not isinstance(value, CHAT_TEMPLATE_KWARGS[key]):
+            raise APIError(
+                400, f"chat_template_kwargs.{key} must be a boolean", f"chat_template_kwargs.{key}"
+            )
+    return kwargs.get("thinking", True)
 
 
 def response_format_processor(ctx: ServeContext, req: ChatCompletionRequest) -> Any:
@@ -86,12 +142,27 @@ def plan_chat(ctx: ServeContext, req: ChatCompletionRequest) -> ChatPlan:
     for m in messages:
         if m["role"] == "developer":
             m["role"] = "system"
+    check_tool_call_ids(messages)
+    thinking = thinking_enabled(req)
+    if ctx.normalize_ids:
+        messages = normalize_tool_call_ids(messages)
     try:
         prompt_ids = render_ids(
-            ctx.tokenizer, messages, tools=tools if choice != "none" else None, add_generation_prompt=True
+            ctx.tokenizer,
+            messages,
+            tools=tools if choice != "none" else None,
+            add_generation_prompt=True,
+            template=ctx.chat_template,
         )
     except (ValueError, TypeError, KeyError) as e:
-        raise APIError(400, f"messages: {e}", "messages") from None
+        # the renderer's errors start with where: `messages[3].tool_calls[0]: field ...`
+        where = _WHERE.match(str(e))
+        param = "messages" if where is None else ".".join(p for p in where.groups() if p)
+        raise APIError(400, f"messages: {e}", param) from None
+    reasoning = ctx.chat_template == THINKING_TEMPLATE
+    if reasoning and not thinking:  # an empty reasoning block: the model answers at once
+        prompt_ids += segments_to_ids(ctx.tokenizer, [(THINK_BEGIN, True), (THINK_END, True)])
+        reasoning = False
     processor = response_format_processor(ctx, req)
     if forced:
         index = sum(len(m.get("tool_calls") or []) for m in messages)
@@ -114,6 +185,8 @@ def plan_chat(ctx: ServeContext, req: ChatCompletionRequest) -> ChatPlan:
         single_call=req.parallel_tool_calls is False,
         rid=f"chatcmpl-{uuid.uuid4().hex}",
         created=int(time.time()),
+        tools=tools or None,
+        reasoning=reasoning,
     )
 
 
@@ -156,7 +229,22 @@ def _keep(plan: ChatPlan, d: dict[str, Any]) -> dict[str, Any] | None:
 async def chat_events(ctx: ServeContext, plan: ChatPlan, pieces: AsyncIterator[Piece]) -> AsyncIterator[str]:
     """The SSE stream of a `stream: true` request: role, content / tool-call deltas, finish, usage."""
     req = plan.req
-    parsers = [ToolCallStreamParser() if plan.parse_tools else None for _ in range(req.n)]
+    parsers = [ToolCallStreamParser(tools=plan.tools) if plan.parse_tools else None for _ in range(req.n)]
+    splitters = [ReasoningSplitter() if plan.reasoning else None for _ in range(req.n)]
+
+    def answer(index: int, text: str) -> list[dict[str, Any]]:
+        parser = parsers[index]
+        return parser.feed(text) if parser else ([{"content": text}] if text else [])
+
+    def split(index: int, text: str, final: bool) -> list[dict[str, Any]]:
+        splitter = splitters[index]
+        if splitter is None:
+            return answer(index, text)
+        out: list[dict[str, Any]] = []
+        for kind, part in splitter.feed(text) + (splitter.finish() if final else []):
+            out += [{"reasoning_content": part}] if kind == "reasoning_content" else answer(index, part)
+        return out
+
     for i in range(req.n):
         yield sse(_chunk(ctx, plan, i, {"role": "assistant", "content": ""}))
     n_out = 0
@@ -164,7 +252,7 @@ async def chat_events(ctx: ServeContext, plan: ChatPlan, pieces: AsyncIterator[P
         async for p in pieces:
             n_out += p.n_tokens
             parser = parsers[p.index]
-            deltas = parser.feed(p.text) if parser else ([{"content": p.text}] if p.text else [])
+            deltas = split(p.index, p.text, p.finish is not None)
             lps = {"content": chat_logprobs(ctx, p)} if req.logprobs and p.token_ids else None
             if lps is not None and not deltas:
                 deltas = [{"content": ""}]
@@ -182,7 +270,7 @@ async def chat_events(ctx: ServeContext, plan: ChatPlan, pieces: AsyncIterator[P
                     if d is not None:
                         yield sse(_chunk(ctx, plan, p.index, d))
                 called = end.tools_called
-            yield sse(_chunk(ctx, plan, p.index, {}, "tool_calls" if called else finish_reason(p.finish)))
+            yield sse(_chunk(ctx, plan, p.index, {}, finish_reason(p.finish, called)))
     if req.stream_options and req.stream_options.include_usage:
         yield sse(
             usage_chunk(
@@ -206,15 +294,18 @@ async def chat_response(ctx: ServeContext, plan: ChatPlan, pieces: AsyncIterator
             lp_content[p.index] += chat_logprobs(ctx, p)
     choices = []
     for i in range(req.n):
-        content, calls = parse_tool_calls(texts[i]) if plan.parse_tools else (texts[i], [])
+        reasoning, text = split_reasoning(texts[i]) if plan.reasoning else ("", texts[i])
+        content, calls = parse_tool_calls(text, tools=plan.tools) if plan.parse_tools else (text, [])
         calls = calls[:1] if plan.single_call else calls
         message = {"role": "assistant", "content": content or None, "tool_calls": calls or None}
+        if plan.reasoning:
+            message["reasoning_content"] = reasoning or None
         choices.append(
             {
                 "index": i,
                 "message": message,
                 "logprobs": {"content": lp_content[i]} if req.logprobs else None,
-                "finish_reason": "tool_calls" if calls else finish_reason(reasons[i]),
+                "finish_reason": finish_reason(reasons[i], bool(calls)),
             }
         )
     return {

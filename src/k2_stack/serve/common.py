@@ -32,6 +32,8 @@ class ServeContext:
     created: int
     json_processor: Callable[[Any, bool], Any]  # (schema, strict) -> logits processor
     tool_call_processor: Callable[[list[dict], str | None, int], Any]  # (tools, name, index) -> processor
+    chat_template: str = "k2"  # a k2_data.chat template name
+    normalize_ids: bool = True  # tool-call ids renamed to functions.NAME:IDX before rendering
 
     @classmethod
     def from_bridge(cls, bridge: Any, created: int) -> ServeContext:
@@ -44,6 +46,8 @@ class ServeContext:
             created=created,
             json_processor=bridge.json_processor,
             tool_call_processor=bridge.tool_call_processor,
+            chat_template=bridge.config.chat_template,
+            normalize_ids=bridge.config.normalize_ids,
         )
 
     def token_str(self, t: int) -> str:
@@ -149,8 +153,11 @@ def usage_chunk(obj: str, rid: str, created: int, model: str, prompt: int, compl
     }
 
 
-def finish_reason(reason: str | None) -> str:
-    return "length" if reason == "length" else "stop"
+def finish_reason(reason: str | None, tools_called: bool = False) -> str:
+    """OpenAI's finish_reason: a reply cut by max_tokens is "length" even when it holds complete calls."""
+    if reason == "length":
+        return "length"
+    return "tool_calls" if tools_called else "stop"
 
 
 __all__ = [

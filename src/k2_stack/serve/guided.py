@@ -212,7 +212,9 @@ def tool_grammars(tools: Sequence[dict[str, Any]]) -> dict[str, str]:
     for t in tools:
         fn = t["function"]["name"]
         try:
-            out[fn] = json_grammar(t["function"].get("parameters") or {"type": "object"})
+            # OpenAI's rule: strict mode (no extra properties) only for a tool that asks for it
+            strict = bool(t["function"].get("strict"))
+            out[fn] = json_grammar(t["function"].get("parameters") or {"type": "object"}, strict)
         except ValueError as e:
             raise ValueError(f"tools: function {fn!r} parameters: {e}") from None
     return out

@@ -33,12 +33,14 @@ class ChatMessage(_Lenient):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning (thinking templates)
 
 
 class FunctionDef(_Lenient):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # OpenAI: compile the schema in strict mode only when true
 
 
 class Tool(_Lenient):
@@ -100,6 +102,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension; `thinking` (bool) is known
     # not supported: a 400 when set
     functions: list[Any] | None = None
     function_call: Any = None

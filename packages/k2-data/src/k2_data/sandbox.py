@@ -30,7 +30,9 @@ Design (Linux, caller is root, the normal case on training hosts):
   process group (which contains the PID-namespace init, so the whole namespace dies); output read
   with a cap (the run is killed when stdout or stderr exceeds `max_output_bytes`). After every
   run any process still owned by the run's uid is killed (a backstop, `/proc` scan) before the
-  uid is reused. The launcher also arms `alarm()` so the tree dies even if the parent is killed.
+  uid is reused. The launcher's session is recorded with the caller's watchdog
+  (`k2_data.lifetime`), so it dies within seconds of the caller, SIGKILL included; the launcher's
+  `alarm()` is the backstop.
 * **Interpreter.** `/usr/bin/python3 -I -S -B` (isolated mode, no site, no bytecode writes): a
   system interpreter the sandbox uid can read, not the venv under `/root`. Environment scrubbed:
   `PATH=/usr/bin:/bin`, `HOME=TMPDIR=<workdir>`.
@@ -61,6 +63,8 @@ import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+from k2_data import lifetime
 
 log = logging.getLogger(__name__)
 
@@ -410,6 +414,7 @@ def _run(
             cwd="/",
             env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
         )
+        lifetime.adopt()  # its own session: the caller's watchdog records it by its group
         for fd in (cfg_fd, st_w, *input_fds):
             os.close(fd)
             fds.remove(fd)

@@ -3,8 +3,9 @@
 Inputs: JSONL (one record per line), Parquet and Arrow IPC files whose records are
 `{"messages": [OpenAI chat messages, tool_calls included], "tools": [OpenAI tools, optional]}` (field
 names configurable; either field may also hold its list as a JSON string, as some datasets store it).
-Each record is validated (`k2_data.chat.validate_conversation`) and rendered in the Kimi K2 chat format
-by `render_ids_with_mask`; a shard row holds `input_ids` list<int32>, `loss_mask` list<uint8> (1 on the
+Tool-call ids are first renamed to `functions.NAME:IDX` (`normalize_tool_call_ids`; `normalize_ids=False`
+keeps them), then each record is validated (`k2_data.chat.validate_conversation`) and rendered in the Kimi
+K2 chat format by `render_ids_with_mask` (`template`: k2's own rendering or a released template); a shard row holds `input_ids` list<int32>, `loss_mask` list<uint8> (1 on the
 tokens of assistant turns and their `<|im_end|>`), `doc_id` and `source` (`path:line` or `path#row`).
 
 Planning, shard writing (temporary name + rename), resume, the worker pool and the manifest are
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k2_data.chat import render_ids_with_mask, validate_conversation
+from k2_data.chat import K2_TEMPLATE, normalize_tool_call_ids, render_ids_with_mask, validate_conversation
+from k2_data.chat.render import check_template
 from k2_data.corpus import expand_inputs, file_kind
 from k2_data.ingest import (
     CHAT_SHARD_SCHEMA,
@@ -47,6 +49,10 @@ class ChatTokenizeConfig:
     shard_bytes: int = 16 << 20  # input bytes per shard, about
     workers: int = 1
     on_error: str = "skip"  # "skip" (listed in the manifest, never trained on) or "fail"
+    template: str = (
+        K2_TEMPLATE  # the chat template rendered: "k2", "kimi-k2-instruct-0905", "kimi-k2-thinking"
+    )
+    normalize_ids: bool = True  # rename tool-call ids to functions.NAME:IDX first (normalize_tool_call_ids)
 
     def validate(self) -> None:
         if self.format not in ("arrow", "parquet"):
@@ -57,6 +63,7 @@ class ChatTokenizeConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.shard_bytes < 1:
             raise ValueError(f"shard_bytes must be >= 1, got {self.shard_bytes}")
+        check_template(self.template)
         if not self.messages_field or not self.tools_field:
             raise ValueError("messages_field and tools_field must be non-empty")
 
@@ -100,7 +107,9 @@ def conversation_of(
         record = _drop_nulls(record)
     messages = _field(record, config.messages_field, required=True)
     tools = _field(record, config.tools_field, required=False) or None
-    validate_conversation(messages, tools)
+    validate_conversation(messages, tools)  # on the ids as written, so errors quote what the record says
+    if config.normalize_ids:
+        messages = normalize_tool_call_ids(messages)
     return messages, tools
 
 
@@ -131,7 +140,14 @@ def tokenize_chat_shard(
                     raise
                 skipped.append(bad.record)
             else:
-                row_ids, row_mask = render_ids_with_mask(tok, messages, tools)
+                try:
+                    row_ids, row_mask = render_ids_with_mask(tok, messages, tools, template=config.template)
+                except ValueError as e:  # a template's own requirement (thinking: an assistant target)
+                    if config.on_error == "fail":
+                        raise BadRecordError(unit.path, where, str(e)) from None
+                    skipped.append(BadRecordError(unit.path, where, str(e)).record)
+                    doc_id += 1
+                    continue
                 ids.append(row_ids)
                 masks.append(row_mask)
                 doc_ids.append(doc_id)
@@ -176,6 +192,8 @@ def tokenize_chat(
                 f"{path}: chat records must be JSONL (.jsonl), Parquet (.parquet) or Arrow (.arrow) files"
             )
     settings = ["chat", config.messages_field, config.tools_field, config.format, config.shard_bytes]
+    if config.template != K2_TEMPLATE or not config.normalize_ids:  # earlier runs' plans stay valid
+        settings += [config.template, config.normalize_ids]
     run = _prepare_run(files, out_dir, tokenizer, config.shard_bytes, settings)
     work = functools.partial(
         tokenize_chat_shard, tokenizer_path=run.tok_path, out_dir=str(run.out), config=config
@@ -192,6 +210,8 @@ def tokenize_chat(
         messages_field=config.messages_field,
         tools_field=config.tools_field,
         encoder=f"{run.tok.kind} via k2_data.chat.render_ids_with_mask",
+        chat_template=config.template,
+        normalize_ids=config.normalize_ids,
         num_trained_tokens=sum(s["trained_tokens"] for s in shards),
     )
 

@@ -3,7 +3,8 @@
 `K2Config.from_hf(dict_or_path)` reads a `config.json` of model_type `kimi_k2` or `deepseek_v3`
 (both the transformers 4.x `rope_theta` + `rope_scaling` form and the 5.x `rope_parameters` form);
 `to_hf()` writes a dict that transformers' `DeepseekV3Config(**d)` accepts; `preset(name)` gives
-`"kimi-k2"` (the released Kimi-K2 config), `"deepseek-v3"` and `"tiny"` (trains on a laptop CPU).
+`"kimi-k2"` (the released Kimi-K2 config), `"deepseek-v3"`, `"tiny"` (trains on a laptop CPU) and
+`"tiny-vllm"` (tiny with K2's MLA latent size, which vLLM's CPU MLA backends need).
 """
 
 from __future__ import annotations
@@ -259,7 +260,7 @@ class K2Config:
     # ------------------------------------------------------------------ presets
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> K2Config:
-        """`kimi-k2`, `deepseek-v3` or `tiny`, optionally with field overrides."""
+        """`kimi-k2`, `deepseek-v3`, `tiny` or `tiny-vllm`, optionally with field overrides."""
         if name not in PRESETS:
             raise ValueError(f"K2Config.preset: unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         kwargs = copy.deepcopy(PRESETS[name])
@@ -400,4 +401,13 @@ _TINY: dict[str, Any] = dict(
     model_type="kimi_k2",
 )
 
-PRESETS: dict[str, dict[str, Any]] = {"kimi-k2": _KIMI_K2, "deepseek-v3": _DEEPSEEK_V3, "tiny": _TINY}
+# The tiny preset with K2's real MLA latent (kv_lora_rank 512: MLA head 512 + 64 = 576), the only
+# size vLLM's CPU MLA backends accept; `tiny` keeps 128 (results and demos depend on it).
+_TINY_VLLM: dict[str, Any] = dict(_TINY, kv_lora_rank=512)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "kimi-k2": _KIMI_K2,
+    "deepseek-v3": _DEEPSEEK_V3,
+    "tiny": _TINY,
+    "tiny-vllm": _TINY_VLLM,
+}

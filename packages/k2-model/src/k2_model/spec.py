@@ -23,7 +23,8 @@ def _option(default: Any = MISSING, help: str = "", *, default_factory: Any = MI
 @dataclass
 class ModelSpec:
     preset: str = _option(
-        "tiny", "model preset (tiny, kimi-k2, deepseek-v3); with --init the weights' own architecture is used"
+        "tiny",
+        "model preset (tiny, tiny-vllm, kimi-k2, deepseek-v3); with --init the weights' own architecture is used",
     )
     model_overrides: dict[str, Any] = _option(
         default_factory=dict,

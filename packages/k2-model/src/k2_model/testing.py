@@ -3,6 +3,7 @@ that runs a training step in well under a second on a CPU core.
 
     tiny_model()                 # K2ForCausalLM(K2Config.preset("tiny", **SMALL_OVERRIDES))
     tiny_model(vocab_size=100)   # overrides on top
+    plant_next_token(state, after=7900, token=7938)  # greedy says 7938 right after 7900
 """
 
 from __future__ import annotations
@@ -39,4 +40,21 @@ def tiny_model(**overrides: Any):
     return K2ForCausalLM(tiny_config(**overrides))
 
 
-__all__ = ["SMALL_OVERRIDES", "tiny_config", "tiny_model"]
+def plant_next_token(state: dict, after: int, token: int, seed: int = 0) -> None:
+    """Edit HF-named weights (a model's state_dict or a safetensors dict) in place so that `token` is
+    the clear greedy choice right after `after`, and no likelier than any other token elsewhere:
+    a large direction v added to `after`'s embedding dominates the final hidden state at that
+    position (every sublayer sees a normalised input, so the rest of the model works as before),
+    and `token`'s output row becomes v at a typical row's norm. For tests of stop tokens on
+    untrained weights, which otherwise never say a given token."""
+    import torch
+
+    emb, head = state["model.embed_tokens.weight"], state["lm_head.weight"]
+    v = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    v = (v / v.norm()).to(emb.dtype)
+    with torch.no_grad():
+        emb[after] += 64 * emb.norm(dim=1).mean() * v
+        head[token] = head.norm(dim=1).mean() * v
+
+
+__all__ = ["SMALL_OVERRIDES", "plant_next_token", "tiny_config", "tiny_model"]

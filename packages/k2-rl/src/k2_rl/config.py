@@ -59,6 +59,9 @@ class RolloutConfig:
         choices=SWITCHES,
     )
     rollout_threads: int = option(0, "torch threads of the rollout worker (0 = torch's default)")
+    rollout_port: int = option(
+        0, "loopback port of the rollout worker's HTTP API (0 = a free port, fresh at every start and resume)"
+    )
 
     def validate(self, where: str) -> None:
         need = _needer(where, self)
@@ -73,6 +76,7 @@ class RolloutConfig:
         need(self.rollout in ROLLOUTS, "rollout", " or ".join(ROLLOUTS))
         need(self.free_rollout_cache in SWITCHES, "free_rollout_cache", "auto, on or off")
         need(self.rollout_threads >= 0, "rollout_threads", ">= 0 (0 = torch's default)")
+        need(0 <= self.rollout_port <= 65535, "rollout_port", "0 (a free port) or a port in 1..65535")
 
 
 @dataclass

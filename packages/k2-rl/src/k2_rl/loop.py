@@ -516,8 +516,11 @@ class _Loop:
 
     # -------------------------------------------------------------- the loop
     def run(self) -> RLResult:
+        from k2_data import lifetime
+
         from k2_rl.rewards.pool import RewardPool
 
+        lifetime.tether()  # before any child: the rollout and reward workers die with this process
         self._setup()
         self.engine = PolicyEngine(
             self.cfg, self.model, self.tok, self.info, self.device, self.run_dir, self.log

@@ -88,6 +88,7 @@ class PolicyEngine:
             threads=cfg.rollouts.rollout_threads,
             seed=cfg.seed,
             log_path=self.run_dir / "rollout.log",
+            port=cfg.rollouts.rollout_port,
         )
         self.rollout = self.worker.start()
         self.log(f"rollout worker: pid {self.worker.pid} at {self.rollout.url}")

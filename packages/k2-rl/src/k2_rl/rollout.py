@@ -14,7 +14,8 @@ weights arriving through k2-ckpt.
 * `python -m k2_rl.rollout --model DIR --port P`: the worker process the loop starts by default.
 * `RolloutClient(url)`: the trainer's side of that API; `RolloutWorker`: starts, watches and
   restarts the worker process (a worker that died is restarted or reported, never waited on
-  forever).
+  forever). The worker is tied to the trainer (`k2_data.lifetime`): it dies with it, SIGKILL
+  included, and each start takes a free port unless one is given (`--rollout-port`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 from k2_ckpt.launch import free_port  # one definition for the project
+from k2_data import lifetime
 from pydantic import BaseModel, Field
 
 
@@ -261,8 +263,23 @@ class RolloutClient:
         self.http.close()
 
 
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether binding `port` fails as the worker's server would (SO_REUSEADDR, as uvicorn)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 class RolloutWorker:
-    """`python -m k2_rl.rollout` in a child process on a free loopback port."""
+    """`python -m k2_rl.rollout` in a child process tied to this one (`k2_data.lifetime`: it dies
+    with this process, SIGKILL included) on loopback `port`; 0 takes a free port at each start, so a
+    restarted or resumed run never meets a port of an earlier one."""
 
     def __init__(
         self,
@@ -272,8 +289,12 @@ class RolloutWorker:
         seed: int = 0,
         log_path: str | Path | None = None,
         start_timeout_s: float = 300.0,
+        port: int = 0,
     ) -> None:
+        if not 0 <= port <= 65535:
+            raise ValueError(f"--rollout-port {port}: expected 0 (a free port) or a port in 1..65535")
         self.model_dir, self.device, self.threads, self.seed = str(model_dir), device, threads, seed
+        self.port = port
         self.log_path = Path(log_path) if log_path else None
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
@@ -285,7 +306,12 @@ class RolloutWorker:
         return None if self.proc is None else self.proc.pid
 
     def start(self) -> RolloutClient:
-        port = free_port()
+        if self.port and port_in_use(self.port):
+            raise ValueError(
+                f"--rollout-port {self.port}: the port is in use on 127.0.0.1 (another process holds it); "
+                "give a free one, or 0 to take any free port"
+            )
+        port = self.port or free_port()
         cmd = [
             sys.executable,
             "-m",
@@ -303,7 +329,7 @@ class RolloutWorker:
             cmd += ["--threads", str(self.threads)]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
-            self.proc = subprocess.Popen(
+            self.proc = lifetime.spawn(
                 cmd, stdout=log, stderr=subprocess.STDOUT if self.log_path else subprocess.PIPE
             )
         finally:
@@ -365,6 +391,7 @@ __all__ = [
     "derive_seed",
     "load_for_rollout",
     "make_app",
+    "port_in_use",
 ]
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@
 
 A server is a shipped one by name (`calculator`, `kvstore`, `filesystem`: `python -m
 k2_data.agentic.servers.NAME` with this interpreter) or any command line (`npx -y @scope/server ...`).
+Each server process is recorded with this process's watchdog (`k2_data.lifetime`): it dies with
+this process, SIGKILL included.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
+from k2_data import lifetime
 from k2_data.agent.tools import Tool, tool_from_spec
 from k2_data.agentic.servers import SHIPPED, module_of
 
@@ -87,6 +90,7 @@ class MCPSession:
             self._client = await self._stack.enter_async_context(
                 mcp.Client(params, read_timeout_seconds=self.read_timeout_s)
             )
+            lifetime.adopt()  # the SDK starts the server in a session of its own: tie it to us
             self._specs = await self._list()
         except BaseException:
             await self._stack.aclose()

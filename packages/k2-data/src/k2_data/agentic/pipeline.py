@@ -405,4 +405,7 @@ async def score_heldout(cfg: AgenticConfig, repo: ToolRepository) -> dict[str, A
 
 
 def run_agentic(cfg: AgenticConfig) -> dict[str, Any]:
+    from k2_data import lifetime
+
+    lifetime.tether()  # the watchdog runs before the first MCP server or sandbox: they die with us
     return asyncio.run(_arun(cfg))

@@ -14,6 +14,16 @@ CALL_BEGIN = "<|tool_call_begin|>"
 ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
 CALL_END = "<|tool_call_end|>"
 
+# markers of the released templates that k2's own tokenizers do not reserve: a tokenizer that declares them
+# (the released Kimi tokenizers: ids 163602-163607) encodes each as one id, any other as plain text
+MEDIA_START = "<|media_start|>"
+MEDIA_CONTENT = "<|media_content|>"
+MEDIA_END = "<|media_end|>"
+MEDIA_PAD = "<|media_pad|>"
+THINK_BEGIN = "<think>"
+THINK_END = "</think>"
+OPTIONAL_MARKERS = frozenset({MEDIA_START, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, THINK_BEGIN, THINK_END})
+
 ROLE_MARKERS = {"system": IM_SYSTEM, "user": IM_USER, "assistant": IM_ASSISTANT, "tool": IM_SYSTEM}
 
 # what the released template inserts when the conversation does not start with a system turn

@@ -1,6 +1,9 @@
 """Render OpenAI-style chat messages in the Kimi K2 format, as text or as token ids.
 
-The layout follows the released Kimi-K2-Instruct chat template:
+`template="k2"` (the default) is k2's own variant, described here; it is what the shipped presets, SFT
+sets and demo models were made with. `"kimi-k2-instruct-0905"` and `"kimi-k2-thinking"` are Moonshot's
+released templates byte for byte (`k2_data.chat.released`). k2's variant follows the July 2025
+Kimi-K2-Instruct layout:
 
     [<|im_system|>tool_declare<|im_middle|>{tools JSON}<|im_end|>]        only when tools are given
     [<|im_system|>system<|im_middle|>{default system prompt}<|im_end|>]   when messages[0] is not system
@@ -23,10 +26,10 @@ run of text (one BPE encode) ever straddles trained and untrained tokens.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from k2_data.chat.ids import K2_CALL_ID  # the id shape K2 was trained on
 from k2_data.chat.markers import (
     ARGUMENT_BEGIN,
     CALL_BEGIN,
@@ -36,17 +39,27 @@ from k2_data.chat.markers import (
     IM_END,
     IM_MIDDLE,
     IM_SYSTEM,
+    OPTIONAL_MARKERS,
     ROLE_MARKERS,
     SECTION_BEGIN,
     SECTION_END,
     TOOL_DECLARE,
 )
+from k2_data.chat.released import (
+    INSTRUCT_0905,
+    RELEASED_TEMPLATES,
+    THINKING,
+    instruct_0905_segments,
+    thinking_segments,
+    thinking_sft_segments,
+)
+
+# k2's own rendering (this module) is the default; the released templates are opt-in by name
+K2_TEMPLATE = "k2"
+TEMPLATES = (K2_TEMPLATE, *RELEASED_TEMPLATES)
 
 Segment = tuple[str, bool]  # (text, is_marker): a marker is exactly one special token
 TaggedSegment = tuple[str, bool, bool]  # (text, is_marker, trainable)
-
-# the id shape K2 was trained on; the index counts calls across the whole conversation
-K2_CALL_ID = re.compile(r"functions\.(?P<name>.+):(?P<index>\d+)", re.DOTALL)
 
 
 def tools_json(tools: Sequence[Mapping[str, Any]]) -> str:
@@ -99,23 +112,35 @@ def _turn(marker: str, name: str, body: list[Segment], trainable: bool = False) 
     return head + [(text, is_marker, trainable) for text, is_marker in body] + [(IM_END, True, trainable)]
 
 
+def check_template(template: str) -> str:
+    """`template` if it names a chat template, else ValueError listing the names."""
+    if template not in TEMPLATES:
+        raise ValueError(f"template must be one of {', '.join(TEMPLATES)}; got {template!r}")
+    return template
+
+
 def render_segments(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
     add_generation_prompt: bool = False,
+    template: str = K2_TEMPLATE,
 ) -> list[Segment]:
     """The rendered conversation as `(text, is_marker)` segments; see the module docstring."""
-    return [
-        (text, is_marker) for text, is_marker, _ in _tagged_segments(messages, tools, add_generation_prompt)
-    ]
+    tagged = _tagged_segments(messages, tools, add_generation_prompt, template)
+    return [(text, is_marker) for text, is_marker, _ in tagged]
 
 
 def _tagged_segments(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
     add_generation_prompt: bool = False,
+    template: str = K2_TEMPLATE,
 ) -> list[TaggedSegment]:
     """`render_segments` with a third field per segment: whether SFT trains on it (assistant bodies)."""
+    if check_template(template) == INSTRUCT_0905:
+        return instruct_0905_segments(messages, tools, add_generation_prompt)
+    if template == THINKING:
+        return thinking_segments(messages, tools, add_generation_prompt)
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError(f"messages must be a list of message objects, got {type(messages).__name__}")
     if len(messages) == 0:
@@ -150,10 +175,10 @@ def _tagged_segments(
                 f"{where}: field 'tool_calls' is only allowed on assistant messages (role is {role!r})"
             )
         content = msg.get("content")
-        if content is None and not tool_calls:
-            raise ValueError(
-                f"{where}: field 'content' is missing (only an assistant message with tool_calls may omit it)"
-            )
+        if content is None and role != "assistant":
+            # an assistant turn without content renders empty, as in the released templates (a reply
+            # that was only a call cut off by max_tokens comes back that way)
+            raise ValueError(f"{where}: field 'content' is missing (only an assistant message may omit it)")
         text = "" if content is None else _content_text(content, where)
 
         if role == "tool":
@@ -221,9 +246,14 @@ def render(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
     add_generation_prompt: bool = False,
+    template: str = K2_TEMPLATE,
 ) -> str:
-    """The conversation as one string in the Kimi K2 format. Raises ValueError naming the bad field."""
-    return "".join(text for text, _ in render_segments(messages, tools, add_generation_prompt))
+    """The conversation as one string in the Kimi K2 format. Raises ValueError naming the bad field.
+
+    `template`: "k2" (this module's rendering, the default), "kimi-k2-instruct-0905" or "kimi-k2-thinking"
+    (Moonshot's released templates, byte for byte; see `k2_data.chat.released`).
+    """
+    return "".join(text for text, _ in render_segments(messages, tools, add_generation_prompt, template))
 
 
 def segments_to_ids(tokenizer: Any, segments: Sequence[Segment]) -> list[int]:
@@ -246,6 +276,8 @@ def _tagged_to_ids(tokenizer: Any, segments: Sequence[TaggedSegment]) -> tuple[l
             run.clear()
 
     for text, is_marker, trainable in segments:
+        if is_marker and text in OPTIONAL_MARKERS and not _knows(tokenizer, text):
+            is_marker = False  # a marker this vocabulary does not reserve is spelled out as text
         if is_marker:
             flush()
             ids.append(tokenizer.token_to_id(text))
@@ -261,11 +293,20 @@ def _tagged_to_ids(tokenizer: Any, segments: Sequence[TaggedSegment]) -> tuple[l
     return ids, mask
 
 
+def _knows(tokenizer: Any, marker: str) -> bool:
+    try:
+        tokenizer.token_to_id(marker)
+    except KeyError:
+        return False
+    return True
+
+
 def render_ids(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
     add_generation_prompt: bool = False,
+    template: str = K2_TEMPLATE,
 ) -> list[int]:
     """Token ids of `render(...)`: markers as special ids, everything else encoded as plain text.
 
@@ -273,21 +314,28 @@ def render_ids(
     `token_to_id(name)`). Equals `tokenizer.encode(render(...), allow_special=True)` unless some content
     holds a marker string, which here stays text.
     """
-    return segments_to_ids(tokenizer, render_segments(messages, tools, add_generation_prompt))
+    return segments_to_ids(tokenizer, render_segments(messages, tools, add_generation_prompt, template))
 
 
 def render_ids_with_mask(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
+    template: str = K2_TEMPLATE,
 ) -> tuple[list[int], list[int]]:
     """`render_ids(tokenizer, messages, tools)` plus a per-token SFT loss mask (0/1, same length).
 
     1 for every assistant turn's body (content and tool-call section, markers included) and that turn's
     closing `<|im_end|>`; 0 for the tool_declare and system turns, user turns, tool results and the
     assistant header `<|im_assistant|>assistant<|im_middle|>`.
+
+    For "kimi-k2-thinking" the ids are `render(messages[:-1], add_generation_prompt=True)` + the last
+    message (an assistant turn, its reasoning included), since that template drops past reasoning;
+    see `k2_data.chat.released.thinking_sft_segments` for what is trained.
     """
-    return _tagged_to_ids(tokenizer, _tagged_segments(messages, tools))
+    if check_template(template) == THINKING:
+        return _tagged_to_ids(tokenizer, thinking_sft_segments(messages, tools))
+    return _tagged_to_ids(tokenizer, _tagged_segments(messages, tools, template=template))
 
 
 encode_chat = render_ids

@@ -1,6 +1,6 @@
 """Incremental tool-call parsing: text deltas in, OpenAI chat-completion deltas out.
 
-    parser = ToolCallStreamParser()              # or ToolCallStreamParser(eager=True)
+    parser = ToolCallStreamParser(tools=tools)   # or (strict=True), or (eager=True)
     for piece in generated_text_pieces:          # split anywhere, even inside a special token
         for delta in parser.feed(piece):
             send({"choices": [{"index": 0, "delta": delta}]})
@@ -10,13 +10,16 @@ Content streams as it arrives, holding back only a tail that could be the start 
 `<|tool_calls_section_begin|>`. Each call is emitted as OpenAI does: first `{index, id, type, function:
 {name, arguments: ""}}`, then `function.arguments` fragments.
 
-Default (held) mode: a section is held until `<|tool_calls_section_end|>`, validated by the same code as
-`parse_tool_calls`, then emitted, the arguments in the fragments they arrived in. This is what makes the
-stream agree with `parse_tool_calls(whole text)` for every split, malformed sections included: a call
-cannot be un-sent, and a section is only known to be well-formed at its end marker (or, if it never comes,
-at `finish()`, when it degrades to content). Clients cannot run a call before its arguments are complete.
+Default (held) mode: a section is held until `<|tool_calls_section_end|>`, parsed by the same code as
+`parse_tool_calls(text, tools, strict)`, then emitted, the arguments in the fragments they arrived in. This
+is what makes the stream agree with `parse_tool_calls(whole text, tools, strict)` for every split, malformed
+sections included: a call cannot be un-sent, and a section is only known to be well-formed at its end
+marker (or, if it never comes, at `finish()`: its complete calls by default, raw content with
+`strict=True`). By default no tool-call marker is ever sent as content (a stray one is dropped; content
+holds back a tail that could start any marker). Clients cannot run a call before its arguments are complete.
 
-Eager mode (`eager=True`, what vLLM does): a call is announced as soon as its `<|tool_call_argument_begin|>`
+Eager mode (`eager=True`, what vLLM does; always strict; a bare-counter header resolves only when `tools`
+holds one function, since the arguments that would tell are not there yet): a call is announced as soon as its `<|tool_call_argument_begin|>`
 arrives and its arguments stream as they arrive. On well-formed output the merged stream is the same as
 in held mode. When a section turns out malformed after calls were announced, the section's raw text still
 goes out as content (so the content agrees with `parse_tool_calls`), those calls are listed in
@@ -32,11 +35,15 @@ from typing import Any, NamedTuple
 
 from k2_data.chat.markers import ARGUMENT_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END
 from k2_data.chat.parse import (
+    TOOL_MARKERS,
     MalformedSection,
     ToolCall,
     check_arguments,
+    lenient_section_spans,
+    logger,
     parse_header,
     parse_section_spans,
+    strip_markers,
     warn_malformed,
 )
 
@@ -85,8 +92,14 @@ def _args_delta(index: int, fragment: str) -> Delta:
 class ToolCallStreamParser:
     """Feed text deltas with `feed`, end with `finish`; both return lists of OpenAI `delta` objects."""
 
-    def __init__(self, eager: bool = False) -> None:
+    def __init__(self, eager: bool = False, tools: Any = None, strict: bool | None = None) -> None:
+        if strict is None:
+            strict = eager
+        if eager and not strict:
+            raise ValueError("eager mode is strict (calls are announced before their section is known good)")
         self.eager = eager
+        self.strict = strict
+        self.tools = tools
         self._pending = ""  # content not yet emitted (a possible partial section marker)
         self._in_section = False
         self._section = ""  # text after <|tool_calls_section_begin|>, until its end marker
@@ -120,29 +133,37 @@ class ToolCallStreamParser:
             raise RuntimeError("ToolCallStreamParser.finish called twice")
         self._finished = True
         out: list[Delta] = []
-        if self._in_section:
+        if self._in_section and not self.strict:
+            logger.warning("unterminated tool-call section: its complete calls are kept, the rest dropped")
+            self._emit_spans(self._section, lenient_section_spans(self._section, self.tools, False), out)
+        elif self._in_section:
             raw = SECTION_BEGIN + self._section
             warn_malformed("unterminated section: no <|tool_calls_section_end|>", raw)
             self._malformed += self._section_calls
             out.append({"content": raw})
         elif self._pending:
-            out.append({"content": self._pending})
+            self._content(self._pending, out)
         self._pending, self._section = "", ""
         return StreamEnd(out, self.tools_called, tuple(self._malformed))
 
     # ------------------------------------------------------------------ content
 
+    def _content(self, text: str, out: list[Delta]) -> None:
+        if not self.strict:
+            text = strip_markers(text)
+        if text:
+            out.append({"content": text})
+
     def _scan_content(self, out: list[Delta]) -> None:
         begin = self._pending.find(SECTION_BEGIN)
         if begin < 0:
-            keep = _held_prefix(self._pending, SECTION_BEGIN)
-            emit = self._pending[: len(self._pending) - keep]
-            if emit:
-                out.append({"content": emit})
+            markers = (SECTION_BEGIN,) if self.strict else TOOL_MARKERS
+            keep = max(_held_prefix(self._pending, m) for m in markers)
+            self._content(self._pending[: len(self._pending) - keep], out)
             self._pending = self._pending[len(self._pending) - keep :]
             return
         if begin > 0:
-            out.append({"content": self._pending[:begin]})
+            self._content(self._pending[:begin], out)
         rest = self._pending[begin + len(SECTION_BEGIN) :]
         self._pending = ""
         self._in_section = True
@@ -176,13 +197,19 @@ class ToolCallStreamParser:
     # ------------------------------------------------------------------ held mode
 
     def _emit_held_section(self, body: str, out: list[Delta]) -> None:
+        if not self.strict:
+            self._emit_spans(body, lenient_section_spans(body, self.tools), out)
+            return
         try:
-            spans = parse_section_spans(body)
+            spans = parse_section_spans(body, self.tools)
         except MalformedSection as e:
             raw = SECTION_BEGIN + body + SECTION_END
             warn_malformed(e, raw)
             out.append({"content": raw})
             return
+        self._emit_spans(body, spans, out)
+
+    def _emit_spans(self, body: str, spans: list[tuple[str, str, int, int]], out: list[Delta]) -> None:
         for call_id, name, a0, a1 in spans:
             index = self._num_calls
             self._num_calls += 1
@@ -250,7 +277,7 @@ class ToolCallStreamParser:
                     self._fail(f"{marker} before <|tool_call_argument_begin|>")
                     continue
                 try:
-                    call_id, name = parse_header(s[self._cur : pos])
+                    call_id, name = parse_header(s[self._cur : pos], self.tools)
                 except MalformedSection as e:
                     self._fail(e)
                     continue

@@ -2,7 +2,7 @@
 
 `render` accepts anything it can lay out; a training record must also be consistent: every tool call
 answered by a later tool message, every tool message answering an earlier call, arguments that are a JSON
-object, calls only to declared functions, and at least one assistant turn to learn from.
+object, calls only to functions declared in the record's tools, and at least one assistant turn to learn from.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from k2_data.chat.render import K2_CALL_ID, render_segments
+from k2_data.chat.ids import K2_CALL_ID
+from k2_data.chat.render import render_segments
 
 
 def _declared_names(tools: Sequence[Mapping[str, Any]]) -> set[str]:
@@ -36,7 +37,7 @@ def validate_conversation(
     call is answered by a later tool message with its `tool_call_id` (the call's own id, or the
     `functions.NAME:IDX` id it is rendered with), each tool message answers an earlier unanswered call, call
     arguments are a JSON object (or a JSON string holding one), called functions are declared in `tools`
-    when tools are given, and there is at least one assistant turn.
+    (a record with tool calls and no tools is refused), and there is at least one assistant turn.
     """
     render_segments(messages, tools)  # structure: roles, fields, content parts
     declared = _declared_names(tools) if tools else None
@@ -52,7 +53,12 @@ def validate_conversation(
                 where = f"messages[{i}].tool_calls[{j}]"
                 fn = call["function"]
                 name, args = fn["name"], fn["arguments"]
-                if declared is not None and name not in declared:
+                if declared is None:
+                    raise ValueError(
+                        f"{where}: field 'function.name' calls {name!r}, but the record declares no tools "
+                        "(field 'tools'): a model cannot learn to call a function it was never shown"
+                    )
+                if name not in declared:
                     raise ValueError(
                         f"{where}: field 'function.name' calls {name!r}, which is not declared in tools "
                         f"(declared: {', '.join(sorted(declared))})"

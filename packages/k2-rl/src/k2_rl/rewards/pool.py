@@ -22,6 +22,9 @@ Design:
   items that had started are *suspects* and are re-run one at a time, so a suspect that
   crashes alone is the culprit (0.0, "worker crashed") and innocent ones finish normally;
   items that had not started are simply resubmitted.
+* **Tied to the parent.** The workers (and multiprocessing's resource tracker) are recorded
+  with this process's watchdog (``k2_data.lifetime``) as they start: they die with it, SIGKILL
+  included.
 
 The caller gets rewards in input order, per-item errors and seconds, and the batch wall time.
 """
@@ -39,6 +42,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
+
+from k2_data import lifetime
 
 from k2_rl.rewards.base import RewardFn, get_reward
 
@@ -190,6 +195,7 @@ class RewardPool:
         self._start_queue: Any = None
         self._executor: ProcessPoolExecutor | None = None
         self._sub_id = 0
+        self._tied = 0  # the executor's processes the watchdog was told about
         self.restarts = 0
 
     # -- executor lifecycle --
@@ -207,8 +213,16 @@ class RewardPool:
             )
         return self._executor
 
+    def _tie(self, executor: ProcessPoolExecutor) -> None:
+        # the executor starts workers on demand: tell the watchdog whenever their number changed
+        n = len(getattr(executor, "_processes", None) or {})
+        if n != self._tied:
+            lifetime.adopt()
+            self._tied = n
+
     def _kill_executor(self) -> None:
         executor, self._executor = self._executor, None
+        self._tied = 0
         if executor is None:
             return
         processes = dict(getattr(executor, "_processes", None) or {})
@@ -225,6 +239,7 @@ class RewardPool:
         """Start every worker now (and run ``preload``) so the first batch doesn't pay for it."""
         executor = self._get_executor()
         futures = [executor.submit(_ping, 0.05) for _ in range(self.max_workers)]
+        self._tie(executor)
         for f in futures:
             f.result()
 
@@ -294,6 +309,7 @@ class RewardPool:
             self._on_crash(batch)
             return False
         batch.inflight[future] = _Inflight(index, self._sub_id, time.time(), isolated=isolated)
+        self._tie(executor)
         return True
 
     def _drain_starts(self, batch: _Batch) -> None:
