@@ -193,3 +193,27 @@ def test_conversations_longer_than_seq_len_are_named_with_lengths_and_flag(tmp_p
     assert "median" in text and "longest" in text and "keeps them whole" in text
     if code != 0:  # every trained turn lay past the cut
         assert code == 2 and "raise --seq-len" in text
+
+
+def test_export_writes_the_chat_template_the_model_was_trained_with(tmp_path, chats, capsys):
+    """Data rendered with a released template -> k2 sft -> k2 export: the export's chat template is
+    that template's file (not k2's own variant), so transformers and vLLM prompt it as it was trained."""
+    from k2_data.chat.template import CHAT_TEMPLATE
+    from k2_data.chat.templates import released_template_text
+    from k2_data.sft import ChatTokenizeConfig, tokenize_chat
+
+    data = tmp_path / "0905-data"
+    tokenize_chat([chats / "train.jsonl"], data, config=ChatTokenizeConfig(template="kimi-k2-instruct-0905"))
+    cfg = _config(tmp_path, chats, "tmpl", data=str(data), steps=1, eval_every=0)
+    assert main(["sft", "--config", str(cfg)]) == 0
+    assert main(["export", str(tmp_path / "tmpl"), "--out", str(tmp_path / "hf")]) == 0
+    written = (tmp_path / "hf" / "chat_template.jinja").read_text(encoding="utf-8")
+    assert written == released_template_text("kimi-k2-instruct-0905") != CHAT_TEMPLATE
+    tok_cfg = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert tok_cfg["chat_template"] == written
+    # a run on k2's own rendering exports k2's template
+    cfg = _config(tmp_path, chats, "k2tmpl", steps=1, eval_every=0)
+    assert main(["sft", "--config", str(cfg)]) == 0
+    assert main(["export", str(tmp_path / "k2tmpl"), "--out", str(tmp_path / "hf2")]) == 0
+    assert (tmp_path / "hf2" / "chat_template.jinja").read_text(encoding="utf-8") == CHAT_TEMPLATE
+    capsys.readouterr()

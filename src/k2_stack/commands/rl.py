@@ -143,7 +143,10 @@ def run(args: argparse.Namespace) -> int:
         from k2_train.metrics import read_metrics
 
         rows = read_metrics(result.run_dir / "metrics.jsonl")
-        for change, pct in ((reward_change(rows), False), (heldout_change(rows, result.heldout_prompts), True)):
+        for change, pct in (
+            (reward_change(rows), False),
+            (heldout_change(rows, result.heldout_prompts), True),
+        ):
             if change is not None:
                 console.print(change.line(pct), soft_wrap=True, highlight=False)
         state = (

@@ -41,7 +41,11 @@ class Change:
 
         unit = " points" if pct else ""
         scale = 100 if pct else 1
-        verdict = "up by more than two standard errors" if self.significant else "within two standard errors (noise)"
+        verdict = (
+            "up by more than two standard errors"
+            if self.significant
+            else "within two standard errors (noise)"
+        )
         if self.delta < -2 * self.stderr:
             verdict = "DOWN by more than two standard errors"
         return (
@@ -70,4 +74,6 @@ def reward_change(rows: list[dict[str, Any]], window: int | None = None) -> Chan
         return None
     first, last = means[:k], means[-k:]
     se = math.sqrt(statistics.variance(first) / k + statistics.variance(last) / k)
-    return Change(statistics.mean(first), statistics.mean(last), se, f"mean reward (first {k} vs last {k} iterations)")
+    return Change(
+        statistics.mean(first), statistics.mean(last), se, f"mean reward (first {k} vs last {k} iterations)"
+    )

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from k2_data.chat.render import K2_TEMPLATE
 from k2_data.chat.template import write_chat_template
 from k2_model import K2Config, K2ForCausalLM
 
@@ -38,7 +39,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, force: bool = False) ->
         config = model_config(config_cls.from_dict(meta["config"], source=str(latest)).model)
     model = K2ForCausalLM(config)
     model.load_state_dict(state["components"]["model"])
-    return export_model(model, run_dir / "tokenizer", out_dir, force=force)
+    template = meta.get("chat_template") or K2_TEMPLATE  # runs before it was recorded used k2's
+    return export_model(model, run_dir / "tokenizer", out_dir, force=force, chat_template=template)
 
 
 def check_out_dir(out_dir: Path, force: bool) -> None:
@@ -68,9 +70,16 @@ def generation_config(config: K2Config, tokenizer: Any | None) -> dict[str, Any]
     return out
 
 
-def export_model(model: K2ForCausalLM, tok_dir: str | Path, out_dir: str | Path, force: bool = False) -> Path:
+def export_model(
+    model: K2ForCausalLM,
+    tok_dir: str | Path,
+    out_dir: str | Path,
+    force: bool = False,
+    chat_template: str = K2_TEMPLATE,
+) -> Path:
     """`model` and the tokenizer files in `tok_dir` (when it exists) as an HF-format dir with the Kimi
-    chat template, written atomically (e.g. a run's random init, for a before-training baseline).
+    chat template the model was trained with (`chat_template`: "k2", or a released template's
+    name), written atomically (e.g. a run's random init, for a before-training baseline).
     An existing non-empty `out_dir` is replaced only with `force`."""
     from k2_data import load_tokenizer
 
@@ -87,7 +96,7 @@ def export_model(model: K2ForCausalLM, tok_dir: str | Path, out_dir: str | Path,
                 shutil.copy2(f, tmp / f.name)
         # the Kimi chat format as a Jinja chat_template, so transformers (`apply_chat_template`,
         # `transformers serve`) renders conversations exactly as k2 does (k2_data.chat.render)
-        write_chat_template(tmp)
+        write_chat_template(tmp, chat_template)
         tokenizer = load_tokenizer(tmp)
     with open(tmp / GENERATION_CONFIG_FILE, "w") as f:
         json.dump(generation_config(model.config, tokenizer), f, indent=2)

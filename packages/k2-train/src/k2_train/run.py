@@ -164,7 +164,13 @@ def _run(
             "trainer": trainer,
         },
         info=info,
-        meta={"config": cfg.to_dict(), "task": cfg.task, "model_config": model.config.to_hf()},
+        meta={
+            "config": cfg.to_dict(),
+            "task": cfg.task,
+            "model_config": model.config.to_hf(),
+            # the chat layout the data was rendered in: `k2 export` writes it as the chat template
+            "chat_template": chat_template_of(tokenized),
+        },
         layout={"ep": cfg.ep},
     )
     if resume:
@@ -225,6 +231,19 @@ def _describe_data(cfg: PretrainConfig, tokenized: Path | list[Path]) -> str:
         return str(tokenized)
     weights = [w for _, w in mixture_sources(cfg) or []]
     return "mix of " + ", ".join(f"{t} ({w:g})" for t, w in zip(tokenized, weights))
+
+
+def chat_template_of(tokenized: Path | list[Path]) -> str:
+    """The chat template a tokenized chat dataset was rendered with (its manifest's
+    `chat_template`; k2's own variant for older datasets and for plain text)."""
+    from k2_data.chat.render import K2_TEMPLATE
+
+    first = tokenized[0] if isinstance(tokenized, list) else tokenized
+    try:
+        manifest = json.loads((Path(first) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return K2_TEMPLATE
+    return manifest.get("chat_template") or K2_TEMPLATE
 
 
 def truncation_note(dataset, seq_len: int) -> str | None:

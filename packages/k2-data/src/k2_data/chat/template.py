@@ -124,14 +124,26 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_chat_template(directory: str | Path) -> Path:
-    """Put the Kimi chat template into an HF tokenizer directory: `chat_template.jinja` (what transformers 5
-    reads first) and the `chat_template` key of `tokenizer_config.json` (what older readers, vLLM among them,
-    look at; created when missing). Returns the directory."""
+def template_source(name: str = "k2") -> str:
+    """The Jinja source of a chat template by name: k2's own variant (`CHAT_TEMPLATE`) or one of
+    Moonshot's released templates, stored verbatim (`k2_data.chat.templates`)."""
+    if name == "k2":
+        return CHAT_TEMPLATE
+    from k2_data.chat.templates import released_template_text
+
+    return released_template_text(name)
+
+
+def write_chat_template(directory: str | Path, name: str = "k2") -> Path:
+    """Put a Kimi chat template (`name`: "k2", "kimi-k2-instruct-0905", "kimi-k2-thinking") into an
+    HF tokenizer directory: `chat_template.jinja` (what transformers 5 reads first) and the
+    `chat_template` key of `tokenizer_config.json` (what older readers, vLLM among them, look at;
+    created when missing). Returns the directory."""
     d = Path(directory)
-    _atomic_write(d / CHAT_TEMPLATE_FILE, CHAT_TEMPLATE)
+    source = template_source(name)
+    _atomic_write(d / CHAT_TEMPLATE_FILE, source)
     config_path = d / TOKENIZER_CONFIG
     config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-    config["chat_template"] = CHAT_TEMPLATE
+    config["chat_template"] = source
     _atomic_write(config_path, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     return d
