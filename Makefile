@@ -82,7 +82,7 @@ RL_STAMP      := $(shell date +%Y%m%d-%H%M%S)
 RL_OUT        ?= runs/rl-$(RL_STAMP)
 RL_TASK_FLAGS ?= --digits 2 --n-sft 256 --n-heldout 400
 RL_SFT_FLAGS  ?= --seq-len 256 --batch 8 --steps 300 --eval-every 0 --save-every 300
-RL_FLAGS      ?= --iterations 30 --prompts-per-iteration 16 --samples-per-prompt 8 --max-response-tokens 48 --eval-every 10 --eval-prompts 400 --lr 1e-3 --adamw-lr 2e-4
+RL_FLAGS      ?= --iterations 60 --prompts-per-iteration 16 --samples-per-prompt 8 --max-response-tokens 48 --eval-every 10 --eval-prompts 400 --lr 1e-3 --adamw-lr 2e-4
 rl-demo: $(STAMP)
 	$(PY) -m k2_rl.tasks --out $(RL_OUT)/data $(RL_TASK_FLAGS)
 	$(VENV)/bin/k2 sft --data $(RL_OUT)/data/sft.jsonl $(RL_SFT_FLAGS) --out $(RL_OUT)/sft

@@ -5,8 +5,10 @@ than noise (two standard errors) instead of printing two numbers and leaving the
 - Held-out accuracy: greedy accuracy on the same n prompts before training (iteration 0) and at the
   last evaluation; the standard error of the difference treats the two as independent binomials
   (sqrt(p0 (1-p0) / n + p1 (1-p1) / n)), which overstates it for the same prompts: conservative.
-- Reward: the mean of the first and the last `window` iterations' mean rewards; the standard error
-  from the spread of those iteration means (Welch), which includes the prompt draws' variation.
+- Reward: the mean of the first and the last third of the iterations' mean rewards; the standard
+  error from the spread of those iteration means (Welch), which includes the prompt draws'
+  variation (16 prompts of very different difficulty per iteration: the iteration mean moves by
+  about 0.09 from one draw to the next, so a rise of 0.05 needs tens of iterations to show).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class Change:
             return f"{x:.1%}" if pct else f"{x:.3f}"
 
         unit = " points" if pct else ""
-        scale = 100 if pct else 1
+        scale, digits = (100, 1) if pct else (1, 3)
         verdict = (
             "up by more than two standard errors"
             if self.significant
@@ -49,8 +51,8 @@ class Change:
         if self.delta < -2 * self.stderr:
             verdict = "DOWN by more than two standard errors"
         return (
-            f"{self.what}: {f(self.start)} -> {f(self.end)} ({self.delta * scale:+.1f}{unit}; "
-            f"standard error {self.stderr * scale:.1f}{unit}): {verdict}"
+            f"{self.what}: {f(self.start)} -> {f(self.end)} ({self.delta * scale:+.{digits}f}{unit}; "
+            f"standard error {self.stderr * scale:.{digits}f}{unit}): {verdict}"
         )
 
 
@@ -66,10 +68,10 @@ def heldout_change(rows: list[dict[str, Any]], n_prompts: int) -> Change | None:
 
 
 def reward_change(rows: list[dict[str, Any]], window: int | None = None) -> Change | None:
-    """Mean reward of the first `window` iterations against the last `window` (default: a fifth of
+    """Mean reward of the first `window` iterations against the last `window` (default: a third of
     the iterations, at least 3), or None with fewer than two windows of iterations."""
     means = [r["reward_mean"] for r in rows if "reward_mean" in r]
-    k = window or max(3, len(means) // 5)
+    k = window or max(3, len(means) // 3)
     if len(means) < 2 * k:
         return None
     first, last = means[:k], means[-k:]
