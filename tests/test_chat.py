@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from k2_data.chat import render_ids
 
@@ -94,6 +95,7 @@ def test_chat_against_a_url_two_turns_and_tool_calls(tmp_path):
         server.close()
 
 
+@pytest.mark.slow  # starts `python -m k2_stack` processes
 def test_chat_cli_local_preset_piped_and_bad_arguments(tmp_path):
     p = subprocess.run(
         [

@@ -356,6 +356,7 @@ def test_ckpt_update_into_live_server(server):
         bridge.update_weights(old)
 
 
+@pytest.mark.slow  # starts `python -m k2_stack` processes
 def test_cli_starts_the_server():
     """`k2 serve --preset tiny --port P` (the README's command) answers /health and a chat request."""
     import subprocess

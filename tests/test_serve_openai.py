@@ -263,6 +263,7 @@ def _serve(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # starts `python -m k2_stack` processes
 def test_cli_argument_errors_are_one_line(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
