@@ -120,3 +120,25 @@ def test_files_get_the_umask_permissions(run_dir, tmp_path, umask):
     for f in files:  # safetensors alone would write 0600
         assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f.name
     assert stat.S_IMODE((tmp_path / "hf").stat().st_mode) == 0o777 & ~umask
+
+
+def test_quantize_int4_writes_k2_thinking_s_layout_and_serves(run_dir, tmp_path):
+    """`k2 export --quantize int4`: routed experts as INT4 triples, the rest bf16, the
+    quantization_config K2-Thinking declares; k2 loads it back (and so k2 serve --model)."""
+    from k2_model import K2ForCausalLM
+    from k2_model.int4 import parse_quantization_config
+    from safetensors import safe_open
+
+    out = tmp_path / "int4"
+    assert main(["export", str(run_dir), "--out", str(out), "--quantize", "int4"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert parse_quantization_config(config["quantization_config"]).group_size == 32
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+        packed = [n for n in names if n.endswith(".weight_packed")]
+        assert packed and all(".mlp.experts." in n for n in packed)
+        assert f.get_tensor(packed[0]).dtype == torch.int32
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+    model = K2ForCausalLM.from_pretrained(str(out))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.isfinite(model(ids).logits).all()

@@ -24,6 +24,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--force", action="store_true", help="replace --out when it exists and is not empty (default: refuse)"
     )
+    p.add_argument(
+        "--quantize",
+        choices=["none", "int4"],
+        default="none",
+        help="int4: routed experts as compressed-tensors INT4 (pack-quantized, groups of 32, the layout "
+        "K2-Thinking ships), the rest in bf16; none (default): every weight as trained",
+    )
     p.set_defaults(func=run)
 
 
@@ -31,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from k2_train.export import export_run
 
     try:
-        out = export_run(args.run_dir, args.out, force=args.force)
+        out = export_run(args.run_dir, args.out, force=args.force, quantize=args.quantize)
     except FileExistsError as e:
         print(f"k2 export: --out {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,9 @@
   `mlp.experts.{j}.gate_proj.weight [I, D]`.
 * FP8: a float8_e4m3fn `W [n, m]` with `W_scale_inv [ceil(n/128), ceil(m/128)]` is dequantised
   on load to `W * scale` block by block (the last row/column blocks may be partial).
+* INT4 (compressed-tensors pack-quantized, K2-Thinking's routed experts): `X.weight_packed` /
+  `X.weight_scale` / `X.weight_shape` are dequantised on load to `X.weight` (k2_model.int4), and
+  `save_pretrained(..., quantize=Int4Format())` writes the same layout (the rest in bf16).
 * Multi-token-prediction layers (`model.layers.{num_hidden_layers + k}.*`) are skipped with a notice.
 * Files are written under temporary names and renamed, index and config last.
 """
@@ -24,6 +27,14 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from k2_model.config import K2Config
+from k2_model.int4 import (
+    INT4_SUFFIXES,
+    Int4Format,
+    dequantize_int4,
+    k2_thinking_quantization_config,
+    parse_quantization_config,
+    quantize_int4,
+)
 
 # This module never imports k2_model.model (model.py imports it): the model arrives as an
 # nn.Module with a `.config` K2Config, the class to build as a parameter of load_pretrained.
@@ -63,12 +74,36 @@ def hf_state_dict(model: K2ForCausalLM) -> Iterator[tuple[str, Tensor]]:
             yield f"{prefix}.{j}.{proj}.weight", t[j]
 
 
-def save_pretrained(model: K2ForCausalLM, path: str, max_shard_bytes: int = 5 * 2**30) -> None:
+def _stored(items: Iterator[tuple[str, Tensor]], quantize: Int4Format | None) -> Iterator[tuple[str, Tensor]]:
+    """The tensors as written: as they are, or (with `quantize`) routed experts' weights as
+    INT4 triples and the other weights in bf16, as K2-Thinking's files hold them."""
+    for name, t in items:
+        if quantize is None:
+            yield name, t
+        elif _EXPERT_HF.match(name) and quantize.quantizes(name):
+            packed, scale, shape = quantize_int4(t.detach().float().cpu(), quantize.group_size)
+            base = name.removesuffix(".weight")
+            yield from (
+                (f"{base}.weight_packed", packed),
+                (f"{base}.weight_scale", scale),
+                (f"{base}.weight_shape", shape),
+            )
+        elif name.endswith(".weight") and t.is_floating_point():
+            yield name, t.to(torch.bfloat16)
+        else:  # buffers such as the router's e_score_correction_bias keep their dtype
+            yield name, t
+
+
+def save_pretrained(
+    model: K2ForCausalLM, path: str, max_shard_bytes: int = 5 * 2**30, quantize: Int4Format | None = None
+) -> None:
+    """config.json and safetensors; `quantize`: routed experts in INT4 (compressed-tensors
+    pack-quantized, the `quantization_config` K2-Thinking declares), the rest in bf16."""
     os.makedirs(path, exist_ok=True)
     shards: list[dict[str, Tensor]] = [{}]
     size = 0
     total = 0
-    for name, t in hf_state_dict(model):
+    for name, t in _stored(hf_state_dict(model), quantize):
         if t.device.type == "meta":
             raise ValueError(f"save_pretrained: tensor {name} {tuple(t.shape)} is on the meta device")
         nbytes = t.numel() * t.element_size()
@@ -95,6 +130,9 @@ def save_pretrained(model: K2ForCausalLM, path: str, max_shard_bytes: int = 5 * 
         )
     hf = model.config.to_hf()
     hf["torch_dtype"] = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    if quantize is not None:
+        hf["torch_dtype"] = "bfloat16"
+        hf["quantization_config"] = k2_thinking_quantization_config(quantize)
     _write_json(os.path.join(path, "config.json"), hf)
 
 
@@ -106,6 +144,52 @@ def _write_json(path: str, obj: object) -> None:
 
 
 # ---------------------------------------------------------------------------------------- load
+class _Files(dict):
+    """tensor name -> file, with INT4 triples folded into their weight's name (`int4`: weight
+    name -> base name, whose `.weight_packed` / `.weight_scale` / `.weight_shape` hold it)."""
+
+    int4: dict[str, str]
+    group_size: int
+
+
+def _int4_as_weights(files: dict[str, str], int4: Int4Format | None) -> _Files:
+    out = _Files()
+    out.int4, out.group_size = {}, int4.group_size if int4 is not None else 0
+    parts = {}
+    for name, fname in files.items():
+        base, _, suffix = name.rpartition(".")
+        if suffix in INT4_SUFFIXES:
+            parts.setdefault(base, {})[suffix] = fname
+        else:
+            out[name] = fname
+    for base, have in parts.items():
+        if int4 is None:
+            raise ValueError(
+                f"tensor {base}.{next(iter(have))}: an INT4 (compressed-tensors) tensor, but config.json "
+                "declares no compressed-tensors quantization_config"
+            )
+        missing = [s for s in INT4_SUFFIXES if s not in have]
+        if missing:
+            raise ValueError(f"INT4 weight {base}: the checkpoint has no {base}.{missing[0]}")
+        out[f"{base}.weight"] = have["weight_packed"]
+        out.int4[f"{base}.weight"] = base
+        for suffix, fname in have.items():
+            out[f"{base}.{suffix}"] = fname
+    return out
+
+
+def _int4_weight(files: _Files, name: str) -> Tensor:
+    """The dequantised weight `name` from its INT4 triple (each read from its own file)."""
+    base = files.int4[name]
+
+    def get(suffix: str) -> Tensor:
+        with safe_open(files[f"{base}.{suffix}"], framework="pt") as f:
+            return f.get_tensor(f"{base}.{suffix}")
+
+    shape = tuple(int(x) for x in get("weight_shape").tolist())
+    return dequantize_int4(get("weight_packed"), get("weight_scale"), shape, files.group_size, what=base)
+
+
 def _checkpoint_files(path: str) -> dict[str, str]:
     """tensor name -> file, from the index when present, else from the single/all safetensors files."""
     index = os.path.join(path, "model.safetensors.index.json")
@@ -136,22 +220,29 @@ def load_pretrained(
     cls: type[K2ForCausalLM], path: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
 ) -> K2ForCausalLM:
     config = K2Config.from_hf(path)
-    block = tuple((config.extra.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
+    qc = config.extra.get("quantization_config") or {}
+    block = tuple(qc.get("weight_block_size", (128, 128)))
+    int4 = parse_quantization_config(qc, where=os.path.join(path, "config.json"))
     with torch.device("meta"):
         model = cls(config)
     model.to_empty(device=device)
     if dtype is not None:
         model.to(dtype)
     model.reset_buffers()
-    load_hf_state_dict(model, _checkpoint_files(path), block=block)  # type: ignore[arg-type]
+    load_hf_state_dict(model, _checkpoint_files(path), block=block, int4=int4)  # type: ignore[arg-type]
     return model
 
 
 @torch.no_grad()
 def load_hf_state_dict(
-    model: K2ForCausalLM, files: dict[str, str], block: tuple[int, int] = (128, 128)
+    model: K2ForCausalLM,
+    files: dict[str, str],
+    block: tuple[int, int] = (128, 128),
+    int4: Int4Format | None = None,
 ) -> None:
-    """Copy tensors named as in HF's DeepseekV3ForCausalLM into `model`, strictly."""
+    """Copy tensors named as in HF's DeepseekV3ForCausalLM into `model`, strictly (FP8 blocks and
+    INT4 pack-quantized weights dequantised tensor by tensor, never the whole model at once)."""
+    files = _int4_as_weights(files, int4)
     cfg = model.config
     targets = dict(model.state_dict(keep_vars=True))
     # Expected HF names -> (our tensor, expert index or None)
@@ -168,8 +259,8 @@ def load_hf_state_dict(
     skipped_mtp = 0
     by_file: dict[str, list[str]] = {}
     for name, fname in files.items():
-        if name in scale_names:
-            continue
+        if name in scale_names or name.rpartition(".")[2] in INT4_SUFFIXES:
+            continue  # read with their weight
         lm = _LAYER.match(name)
         if lm and int(lm.group(1)) >= cfg.num_hidden_layers:
             skipped_mtp += 1
@@ -188,7 +279,7 @@ def load_hf_state_dict(
     for fname, names in by_file.items():
         with safe_open(fname, framework="pt") as f:
             for name in names:
-                t = f.get_tensor(name)
+                t = _int4_weight(files, name) if name in files.int4 else f.get_tensor(name)
                 if name not in expected:
                     raise ValueError(
                         f"unexpected tensor {name} {tuple(t.shape)} in {os.path.basename(fname)}: "

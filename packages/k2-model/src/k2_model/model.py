@@ -608,12 +608,14 @@ class K2ForCausalLM(nn.Module):
     def from_pretrained(
         cls, path: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
     ) -> K2ForCausalLM:
-        """Load an HF-format directory (config.json + safetensors, FP8 block weights dequantised)."""
+        """Load an HF-format directory (config.json + safetensors; FP8 block and INT4
+        pack-quantized weights dequantised on load)."""
         return load_pretrained(cls, path, dtype=dtype, device=device)
 
-    def save_pretrained(self, path: str, max_shard_bytes: int = 5 * 2**30) -> None:
-        """Write config.json + (sharded, indexed) safetensors with DeepseekV3ForCausalLM names."""
-        save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
+    def save_pretrained(self, path: str, max_shard_bytes: int = 5 * 2**30, quantize: Any = None) -> None:
+        """Write config.json + (sharded, indexed) safetensors with DeepseekV3ForCausalLM names;
+        `quantize=k2_model.int4.Int4Format()`: routed experts in INT4 (K2-Thinking's layout)."""
+        save_pretrained(self, path, max_shard_bytes=max_shard_bytes, quantize=quantize)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -22,7 +22,11 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 END_OF_TURN = "<|im_end|>"
 
 
-def export_run(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> Path:
+def export_run(
+    run_dir: str | Path, out_dir: str | Path, force: bool = False, quantize: str | None = None
+) -> Path:
+    """A run's latest weights as an HF-format dir; `quantize="int4"`: routed experts in INT4
+    (compressed-tensors pack-quantized, groups of 32, as K2-Thinking ships), the rest in bf16."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     check_out_dir(out_dir, force)
     latest = latest_state(run_dir)
@@ -40,7 +44,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, force: bool = False) ->
     model = K2ForCausalLM(config)
     model.load_state_dict(state["components"]["model"])
     template = meta.get("chat_template") or K2_TEMPLATE  # runs before it was recorded used k2's
-    return export_model(model, run_dir / "tokenizer", out_dir, force=force, chat_template=template)
+    return export_model(
+        model, run_dir / "tokenizer", out_dir, force=force, chat_template=template, quantize=quantize
+    )
 
 
 def check_out_dir(out_dir: Path, force: bool) -> None:
@@ -76,6 +82,7 @@ def export_model(
     out_dir: str | Path,
     force: bool = False,
     chat_template: str = K2_TEMPLATE,
+    quantize: str | None = None,
 ) -> Path:
     """`model` and the tokenizer files in `tok_dir` (when it exists) as an HF-format dir with the Kimi
     chat template the model was trained with (`chat_template`: "k2", or a released template's
@@ -88,7 +95,14 @@ def export_model(
     # Write into a temporary sibling and rename, so an interrupted export leaves nothing half-written.
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp))
+    if quantize not in (None, "none", "int4"):
+        raise ValueError(f"--quantize {quantize!r}: expected none or int4")
+    if quantize == "int4":
+        from k2_model.int4 import Int4Format
+
+        model.save_pretrained(str(tmp), quantize=Int4Format())
+    else:
+        model.save_pretrained(str(tmp))
     tokenizer = None
     if tok_dir.is_dir():
         for f in tok_dir.iterdir():
