@@ -195,3 +195,19 @@ def test_a_missing_scale_names_the_tensor(tmp_path):
     save_file(tensors, str(path))
     with pytest.raises(ValueError, match=f"has no {re.escape(victim)}"):
         K2ForCausalLM.from_pretrained(str(tmp_path / "int4"))
+
+
+def test_serving_footprint_of_int4_experts():
+    """k2 model stats' rows: bf16 is 2 bytes a weight; INT4 routed experts are 4 bits plus a bf16
+    scale per 32 weights with the rest in bf16 (K2-Thinking's ~594 GB for the 1.03T model)."""
+    from k2_model import K2Config
+    from k2_model.stats import param_breakdown, serving_bytes
+
+    cfg = K2Config.preset("kimi-k2")
+    b = param_breakdown(cfg)
+    bf16, fp8, int4 = serving_bytes(cfg)
+    assert bf16.total_bytes == 2 * b.total_params and bf16.active_bytes == 2 * b.active_params
+    routed = b.routed_experts.total
+    assert int4.total_bytes == int(routed * (0.5 + 2 / 32) + (b.total_params - routed) * 2)
+    assert 590e9 < int4.total_bytes < 600e9
+    assert fp8.total_bytes > int4.total_bytes and fp8.total_bytes < bf16.total_bytes / 1.9

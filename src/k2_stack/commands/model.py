@@ -336,6 +336,21 @@ def print_report(a: Any, b: Any | None, comparisons: list[Any], context: int, ep
     )
     con.print(t)
 
+    from k2_model.stats import serving_bytes
+
+    t = table(
+        "Serving footprint by checkpoint format: all weights / weights read per decoded token", "format"
+    )
+    for s in runs:
+        t.add_column(f"{s.name} total", justify="right", no_wrap=True)
+        t.add_column(f"{s.name} /token", justify="right", no_wrap=True)
+    rows = [serving_bytes(s.config) for s in runs]
+    for i, fmt in enumerate(rows[0]):
+        t.add_row(fmt.name, *[
+            x for r in rows for x in (_num(r[i].total_bytes, "bytes"), _num(r[i].active_bytes, "bytes"))
+        ])  # fmt: skip
+    con.print(t)
+
     if not comparisons:
         return
     t = table(f"Seed comparisons: A = {a.name}, B = {b.name}; ours next to the paper's", "quantity")

@@ -322,6 +322,48 @@ def ep_rank_bytes(cfg: K2Config, ep: int, weight_bytes: int = FP8_BYTES) -> EPRa
     )
 
 
+INT4_GROUP = 32  # K2-Thinking: one bf16 scale per 32 INT4 weights
+
+
+@dataclass(frozen=True)
+class ServingBytes:
+    """A checkpoint format's weight bytes: the whole model (what must fit) and what one decoded
+    token reads (its active weights: the bandwidth bound of decode at batch 1)."""
+
+    name: str
+    total_bytes: int
+    active_bytes: int  # per token: the K routed experts of every MoE layer and everything else
+
+
+def serving_bytes(cfg: K2Config) -> list[ServingBytes]:
+    """bf16 everywhere; FP8 as Kimi-K2-Instruct ships it (every linear weight 1 byte + fp32
+    128x128 block scales; embeddings, head and norms bf16); INT4 experts as K2-Thinking ships them
+    (routed experts 4 bits + a bf16 scale per 32 weights; the rest bf16)."""
+    b = param_breakdown(cfg)
+    D, Fe = cfg.hidden_size, cfg.moe_intermediate_size
+    total, active = b.total_params, b.active_params
+    routed_total, routed_active = b.routed_experts.total, b.routed_experts.active
+    bf16 = ServingBytes("bf16", total * BF16_BYTES, active * BF16_BYTES)
+    # FP8: the linear weights (everything but embeddings, LM head and norms) at one byte + scales
+    linear_total = total - b.embeddings.total - b.lm_head.total - b.norms.total
+    linear_active = active - b.embeddings.active - b.lm_head.active - b.norms.active
+    per_expert_scales = 2 * _block_scales(Fe, D) + _block_scales(D, Fe)
+    expert = expert_params(cfg)
+    scale_frac = per_expert_scales * SCALE_BYTES / expert  # scale bytes per weight byte, ~2.4e-4
+    fp8 = ServingBytes(
+        "FP8 (128x128 blocks)",
+        int(linear_total * (FP8_BYTES + scale_frac) + (total - linear_total) * BF16_BYTES),
+        int(linear_active * (FP8_BYTES + scale_frac) + (active - linear_active) * BF16_BYTES),
+    )
+    int4_per_weight = 0.5 + BF16_BYTES / INT4_GROUP  # 4 bits + a bf16 scale per group
+    int4 = ServingBytes(
+        "INT4 routed experts (groups of 32), rest bf16",
+        int(routed_total * int4_per_weight + (total - routed_total) * BF16_BYTES),
+        int(routed_active * int4_per_weight + (active - routed_active) * BF16_BYTES),
+    )
+    return [bf16, fp8, int4]
+
+
 # ---------------------------------------------------------------------------------- report
 @dataclass(frozen=True)
 class ModelStats:
@@ -363,6 +405,7 @@ class ModelStats:
             },
             "kv_cache_bytes_per_token": dataclasses.asdict(self.kv),
             "ep_rank_bytes": {**dataclasses.asdict(self.ep), "expert_bytes": self.ep.expert_bytes},
+            "serving_bytes": [dataclasses.asdict(x) for x in serving_bytes(self.config)],
         }
 
 
