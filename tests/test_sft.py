@@ -217,3 +217,18 @@ def test_export_writes_the_chat_template_the_model_was_trained_with(tmp_path, ch
     assert main(["export", str(tmp_path / "k2tmpl"), "--out", str(tmp_path / "hf2")]) == 0
     assert (tmp_path / "hf2" / "chat_template.jinja").read_text(encoding="utf-8") == CHAT_TEMPLATE
     capsys.readouterr()
+
+
+def test_qat_int4_trains_on_the_int4_forward_and_exports_int4(tmp_path, chats):
+    """`k2 sft --qat int4`: the losses differ from the full-precision run's from step 1 (the
+    forward uses INT4 experts), and `k2 export --quantize int4` of it loads in k2."""
+    from k2_model import K2ForCausalLM
+
+    plain = _config(tmp_path, chats, "plain", steps=2, eval_every=0)
+    qat = _config(tmp_path, chats, "qat", steps=2, eval_every=0, qat="int4")
+    assert main(["sft", "--config", str(plain)]) == 0
+    assert main(["sft", "--config", str(qat)]) == 0
+    a, b = _rows(tmp_path / "plain"), _rows(tmp_path / "qat")
+    assert a[0]["loss"] != b[0]["loss"] and abs(a[0]["loss"] - b[0]["loss"]) < 0.5  # close, not equal
+    assert main(["export", str(tmp_path / "qat"), "--out", str(tmp_path / "hf"), "--quantize", "int4"]) == 0
+    assert K2ForCausalLM.from_pretrained(str(tmp_path / "hf")).config.extra["quantization_config"]

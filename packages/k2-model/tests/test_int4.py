@@ -211,3 +211,43 @@ def test_serving_footprint_of_int4_experts():
     assert int4.total_bytes == int(routed * (0.5 + 2 / 32) + (b.total_params - routed) * 2)
     assert 590e9 < int4.total_bytes < 600e9
     assert fp8.total_bytes > int4.total_bytes and fp8.total_bytes < bf16.total_bytes / 1.9
+
+
+def test_fake_quantize_is_the_library_s_qdq_with_a_straight_through_gradient():
+    """QAT's forward weight equals compressed-tensors' own fake_quantize (bf16 scales from its
+    calculate_qparams) bitwise, for stacked experts too; the gradient passes straight through."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from k2_model.int4 import fake_quantize_int4
+
+    torch.manual_seed(5)
+    w = torch.randn(3, 64, 128, requires_grad=True)
+    fq = fake_quantize_int4(w, 32)
+    for e in range(3):
+        x = w[e].detach().bfloat16()
+        groups = x.reshape(64, -1, 32)
+        scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), ARGS)
+        ref = fake_quantize(x, scale, zero, ARGS)
+        assert torch.equal(fq[e].detach(), ref.float()), e
+    (fq * torch.arange(fq.numel()).reshape(fq.shape)).sum().backward()
+    assert torch.equal(w.grad, torch.arange(fq.numel(), dtype=torch.float32).reshape(fq.shape))
+
+
+def test_qat_forward_is_the_int4_export_s_forward(tmp_path):
+    """With set_expert_qat(32) the full-precision model's logits equal those of its INT4 export
+    loaded back with the non-expert weights kept in fp32 (QAT trains the model it exports)."""
+    torch.manual_seed(6)
+    model = tiny_model().eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    save_pretrained(model, str(tmp_path / "int4"), quantize=Int4Format())
+    loaded = K2ForCausalLM.from_pretrained(str(tmp_path / "int4")).eval()
+    # the INT4 export keeps the rest in bf16; put the originals back to compare the experts alone
+    with torch.no_grad():
+        for name, t in loaded.state_dict().items():
+            if ".mlp.experts." not in name:
+                t.copy_(model.state_dict()[name])
+        model.set_expert_qat(32)
+        qat = model(ids).logits
+        model.set_expert_qat(0)
+        plain = model(ids).logits
+        assert torch.equal(qat, loaded(ids).logits)
+        assert not torch.equal(qat, plain)  # the fake quantisation does change the forward

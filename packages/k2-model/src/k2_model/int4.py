@@ -33,6 +33,7 @@ __all__ = [
     "INT4_SUFFIXES",
     "Int4Format",
     "dequantize_int4",
+    "fake_quantize_int4",
     "k2_thinking_quantization_config",
     "pack_int4",
     "parse_quantization_config",
@@ -205,3 +206,20 @@ def quantize_int4(
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     q = torch.clamp(torch.round(xg / scale.unsqueeze(-1)), Q_MIN, Q_MAX).reshape(out, -1)[:, :inp]
     return pack_int4(q.to(torch.int8)), scale, torch.tensor([out, inp], dtype=torch.int64)
+
+
+def fake_quantize_int4(w: Tensor, group_size: int = 32) -> Tensor:
+    """INT4 quantisation-aware training's weight: the value an INT4 export of `w` loads back to
+    (`quantize_int4` then `dequantize_int4`: scales in bf16 per group of `group_size` along the
+    last, input, dimension; any leading dims, e.g. stacked experts [E, O, I]), in `w`'s dtype, with
+    a straight-through gradient (d out / d w = 1), so the optimizer keeps full-precision weights."""
+    *lead, inp = w.shape
+    if inp % group_size:
+        raise ValueError(f"fake_quantize_int4: input dim {inp} is not a multiple of group_size {group_size}")
+    with torch.no_grad():
+        x = w.detach().to(torch.bfloat16).reshape(*lead, inp // group_size, group_size)
+        scale = x.abs().amax(-1, keepdim=True) / torch.tensor((Q_MAX - Q_MIN) / 2, dtype=torch.bfloat16)
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        q = torch.clamp(torch.round(x / scale), Q_MIN, Q_MAX)
+        fq = (q * scale).reshape(w.shape).to(w.dtype)
+    return w + (fq - w).detach()

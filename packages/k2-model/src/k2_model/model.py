@@ -472,6 +472,18 @@ class K2ForCausalLM(nn.Module):
             elif isinstance(m, MLAttention):
                 m.max_logits_H.fill_(-math.inf)
 
+    def set_expert_qat(self, group_size: int) -> None:
+        """INT4 quantisation-aware training of the routed experts: every forward uses the weights an
+        INT4 export (groups of `group_size`) would load, gradients pass straight through to the
+        full-precision weights; 0 turns it off."""
+        from k2_model.moe import RoutedExperts
+
+        if group_size < 0:
+            raise ValueError(f"set_expert_qat: group_size must be >= 0, got {group_size}")
+        for m in self.modules():
+            if isinstance(m, RoutedExperts):
+                m.qat_group_size = group_size
+
     def set_attention_impl(self, impl: str) -> None:
         if impl not in ("auto", "fused", "sdpa", "eager"):
             raise ValueError(f"attention impl must be 'auto', 'fused', 'sdpa' or 'eager', got {impl!r}")

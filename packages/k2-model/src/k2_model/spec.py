@@ -11,6 +11,7 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any
 
 ATTENTIONS = ("auto", "fused", "sdpa", "eager")
+QAT_SCHEMES = ("none", "int4")
 
 
 def _option(default: Any = MISSING, help: str = "", *, default_factory: Any = MISSING, choices=None) -> Any:
@@ -44,10 +45,25 @@ class ModelSpec:
         "attention path: auto (the fused k2_kernels kernel where it serves the device), fused, sdpa or eager",
         choices=ATTENTIONS,
     )
+    # INT4 quantisation-aware training of the routed experts (K2-Thinking's recipe): the forward
+    # sees the weights an INT4 export loads, the optimizer keeps full precision (k2_model.int4)
+    qat: str = _option(
+        "none",
+        "quantisation-aware training: int4 (routed experts fake-quantised to INT4, groups of 32, "
+        "straight-through gradients; export with `k2 export --quantize int4`) or none",
+        choices=QAT_SCHEMES,
+    )
 
     def validate(self, where: str) -> None:
         if self.attention not in ATTENTIONS:
             raise ValueError(f"{where}: attention={self.attention!r}: expected auto, fused, sdpa or eager")
+        if self.qat not in QAT_SCHEMES:
+            raise ValueError(f"{where}: qat={self.qat!r}: expected none or int4")
+
+    @property
+    def qat_group_size(self) -> int:
+        """The INT4 group size QAT uses (0: off)."""
+        return 32 if self.qat == "int4" else 0
 
 
-__all__ = ["ATTENTIONS", "ModelSpec"]
+__all__ = ["ATTENTIONS", "ModelSpec", "QAT_SCHEMES"]

@@ -168,6 +168,7 @@ class PretrainConfig(RunConfig):
                 raise ValueError(f"{where}: {name}={getattr(self, name)!r}: expected {what}")
 
         self.optim.validate(where)
+        self.model.validate(where)
         need(self.steps > 0, "steps", "> 0")
         need(self.batch > 0, "batch", "> 0")
         need(self.micro_batch >= 0, "micro_batch", ">= 0")
