@@ -121,3 +121,16 @@ def test_agentic_student_benchmark_scores_before_and_after(tmp_path):
         len(results["rows"]) == 3 and results["rows"]["teacher (scripted, ceiling)"]["bfcl_accuracy"] == 1.0
     )
     assert all(r["tasks"] == 4 for r in results["rows"].values()) and results["sft"]["steps"] == 2
+
+
+@pytest.mark.slow
+def test_qat_proof_driver_runs_every_stage(tmp_path):
+    # one seed, two SFT steps each: FP and QAT runs, both exports, the three scores, the table
+    out = run_bench(
+        "qat_proof.py", "--seeds", "0", "--steps", "2", "--out", str(tmp_path), "--heldout", "8",
+        "--loss-conversations", "4", "--gen-prompts", "2", "--gen-tokens", "4",
+    )  # fmt: skip
+    assert "| model | eval loss | greedy agreement with FP | held-out accuracy |" in out
+    results = json.loads((tmp_path / "qat_proof.json").read_text())["results"]
+    assert results["FP"]["agreement"] == [1.0] and set(results) == {"FP", "PTQ", "QAT"}
+    assert (tmp_path / "seed0" / "qat-int4" / "config.json").is_file()
