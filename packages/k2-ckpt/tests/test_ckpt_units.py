@@ -413,3 +413,62 @@ def test_pooled_storages_are_reused_as_flat_bytes(dtype):
     buf = recv._stage_buffer("x", nbytes, torch.device("cpu"))
     assert buf.dtype == torch.uint8 and buf.shape == (nbytes,) and buf.data_ptr() == old.data_ptr()
     buf.copy_(torch.arange(nbytes, dtype=torch.uint8))  # a staging copy of flat bytes fits
+
+
+def test_direct_mode_failure_reports_what_was_loaded_and_the_failing_tensor(tmp_path):
+    # a loader that fails part-way through a bucket: the error names the tensor it failed on
+    # (not the bucket's last) and `applied` lists exactly the tensors loaded before it
+    import json
+    import threading
+
+    import zmq
+    from k2_ckpt.buffer import SlotBuffer
+    from k2_ckpt.types import BucketItem, BucketMsg, BufferMsg
+    from k2_ckpt.worker import FunctionLoader, update_weights_from_ipc
+
+    loaded: list[str] = []
+
+    def load(named):
+        for name, _t in named:
+            if name == "b":
+                raise RuntimeError("cannot load b")
+            loaded.append(name)
+
+    buf = SlotBuffer(1024, 2, torch.device("cpu"))
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.PAIR)
+    address = f"ipc://{tmp_path}/s.sock"
+    server.bind(address)
+    result: dict = {}
+
+    def receive():
+        try:
+            update_weights_from_ipc(address, FunctionLoader(load), staged=False, timeout_s=10, zmq_ctx=ctx)
+        except Exception as e:
+            result["error"] = e
+
+    th = threading.Thread(target=receive)
+    th.start()
+    try:
+        server.send(
+            BufferMsg(handle=buf.handle(), slot_bytes=1024, num_slots=2, checkpoint="c", num_buckets=1)
+            .model_dump_json()
+            .encode()
+        )
+        assert server.poll(10_000) and b"ready" in server.recv()
+        items = [
+            BucketItem(name=n, dtype="float32", shape=[16], tensor_nbytes=64, chunk_start=0, nbytes=64,
+                       buf_offset=64 * i)
+            for i, n in enumerate("abc")
+        ]  # fmt: skip
+        server.send(BucketMsg.of(0, 0, items).model_dump_json().encode())
+        assert server.poll(10_000)
+        reply = json.loads(server.recv())
+        server.close(linger=0)
+        th.join(20)
+    finally:
+        buf.close()
+    assert reply["op"] == "error" and reply["tensor"] == "b", reply
+    assert reply["applied"] == ["a"] == loaded
+    assert "cannot load b" in reply["message"]
+    ctx.term()
