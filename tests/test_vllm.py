@@ -485,3 +485,36 @@ def test_a_refused_push_leaves_the_old_weights(
     assert httpx.get(f"{vllm}/health", timeout=5).status_code == 200
     for p, b, a in zip(prompts, before, _greedy(vllm, prompts)):
         assert _tokens(b, False) == _tokens(a, False), f"{len(p)}-token prompt after a refused push"
+
+
+# ------------------------------------------------------------------------------ k2 rl on vLLM
+def test_k2_rl_rolls_out_on_vllm_with_the_pushed_policy(tmp_path, monkeypatch):
+    """`k2 rl --rollout vllm`, 2 iterations: k2 rl starts its own vLLM on an export of the policy,
+    samples from it by token ids, and pushes the updated policy through k2-ckpt after each update.
+    The trainer's logp_old of iteration 2's samples equals vLLM's sampling logprobs (logp_mismatch),
+    which holds only if vLLM sampled from the weights pushed after iteration 1 (with the push
+    turned off, iteration 2's logp_mismatch was 1.6e-2)."""
+    from k2_rl import RLConfig, run_rl
+
+    if why := _why_not_runnable():
+        pytest.skip(why)
+    monkeypatch.setenv("K2_VLLM_PYTHON", str(VENV / "bin" / "python"))
+    cfg = RLConfig(
+        preset="tiny-vllm", rollout="vllm", iterations=2, prompts_per_iteration=4, samples_per_prompt=4,
+        max_response_tokens=8, eval_every=0, save_every=0, micro_prompts=2, updates_per_iteration=1,
+        reward_workers=1, threads=1, out=str(tmp_path / "rl"),
+        # a near-random policy earns one reward for every sample (no gradient): decay moves every
+        # weight by 20% per update instead, so a vLLM left on the old policy would be far off
+        lr=0.05, weight_decay=4.0,
+    )  # fmt: skip
+    logs: list[str] = []
+    result = run_rl(cfg, log=logs.append)
+    assert result.iterations_done == 2 and not result.interrupted, logs[-5:]
+    rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    its = [r for r in rows if "reward_mean" in r]
+    assert [r["iteration"] for r in its] == [1, 2]
+    for r in its:
+        assert r["loss"] is not None and 0.0 <= r["solve_rate"] <= 1.0
+        assert abs(r["logp_mismatch"]) < 1e-3, r
+        assert r["sync_s"] > 0
+    assert any("rollout engine: vLLM" in m for m in logs)

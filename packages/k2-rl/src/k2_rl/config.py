@@ -12,7 +12,7 @@ from typing import Any
 from k2_train.config import NS_DTYPES, OPTIMIZERS, RunConfig, option
 
 LOSSES = ("k15", "grpo")
-ROLLOUTS = ("process", "inprocess")
+ROLLOUTS = ("process", "inprocess", "vllm")  # vllm: k2_rl.vllm_rollout, docs/vllm.md
 
 
 @dataclass
