@@ -472,3 +472,30 @@ def test_direct_mode_failure_reports_what_was_loaded_and_the_failing_tensor(tmp_
     assert reply["applied"] == ["a"] == loaded
     assert "cannot load b" in reply["message"]
     ctx.term()
+
+
+def test_vllm_receiver_checks_the_update_against_the_served_checkpoint(tmp_path):
+    # the vLLM receiver refuses, before touching the model, a tensor the checkpoint vLLM serves
+    # does not have, another shape or a non-float dtype, and an update that leaves tensors out
+    from k2_ckpt.adapters.vllm import VllmCheckpointLoader, checkpoint_tensors
+    from k2_ckpt.errors import TensorMismatch
+    from safetensors.torch import save_file
+
+    save_file({"a.weight": torch.zeros(4, 8), "b.weight": torch.zeros(3, dtype=torch.bfloat16)},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    expected = checkpoint_tensors(tmp_path)
+    assert expected == {"a.weight": (torch.float32, (4, 8)), "b.weight": (torch.bfloat16, (3,))}
+    loader = VllmCheckpointLoader(model=None, model_config=None, expected=expected)
+    loader.validate("a.weight", torch.bfloat16, (4, 8))  # vLLM converts float dtypes on load
+    with pytest.raises(TensorMismatch, match=r"'c.weight': not in the checkpoint"):
+        loader.validate("c.weight", torch.float32, (4, 8))
+    with pytest.raises(TensorMismatch, match=r"shape \(8, 4\) sent, the checkpoint has \(4, 8\)"):
+        loader.validate("a.weight", torch.float32, (8, 4))
+    with pytest.raises(TensorMismatch, match="dtype torch.int64"):
+        loader.validate("b.weight", torch.int64, (3,))
+    with pytest.raises(TensorMismatch, match=r"incomplete update: 1 of the checkpoint's 2 tensors"):
+        loader.check_staged(["a.weight"])
+    loader.check_staged(["a.weight", "b.weight"])
+    assert not loader.touched
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        checkpoint_tensors(tmp_path / "nothing")
