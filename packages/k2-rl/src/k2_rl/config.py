@@ -27,7 +27,7 @@ from k2_optim.config import OptimConfig
 from k2_train.config import RunConfig, option
 
 LOSSES = ("k15", "grpo")
-ROLLOUTS = ("process", "inprocess")
+ROLLOUTS = ("process", "inprocess", "vllm")  # vllm: k2_rl.vllm_rollout, docs/vllm.md
 SWITCHES = ("auto", "on", "off")
 
 

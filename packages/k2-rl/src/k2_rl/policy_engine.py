@@ -5,8 +5,9 @@ The loop sees five operations: `start()`, `sync(tag)` (push the current policy; 
 switching: give the KV pool back while the trainer runs) and `close()`. This implementation drives
 k2-model's engine either in a rollout worker process (`python -m k2_rl.rollout`), fed through
 k2-ckpt's ParameterServer (a bucketed broadcast, as the checkpoint engine updates an inference
-engine), or in this process (weights copied between two engine steps). Another engine (vLLM,
-SGLang) or a multi-turn episode runner plugs in behind the same operations.
+engine), or in this process (weights copied between two engine steps). Another engine plugs in
+behind the same operations: `--rollout vllm` is a vLLM server (k2_rl.vllm_rollout), synced through
+k2-ckpt's vLLM worker extension.
 
 Under torchrun every rank calls every operation: rank 0 owns the engine, the others join the
 collectives (the FSDP2 gather of the weights, k2-ckpt's broadcast, a restart's re-sync).
@@ -70,6 +71,9 @@ class PolicyEngine:
             engine_model = copy.deepcopy(self.model).eval()
             self.rollout = Rollout(engine_model, self.stop_ids, max_batch_size=64, seed=cfg.seed)
             return
+        if cfg.rollout == "vllm":
+            self._start_vllm()
+            return
         init_dir = self.run_dir / "rollout-init"  # the architecture and tokenizer the worker starts from
         if not (init_dir / "config.json").is_file():
             tmp = self.run_dir / ".rollout-init.tmp"
@@ -92,6 +96,23 @@ class PolicyEngine:
         )
         self.rollout = self.worker.start()
         self.log(f"rollout worker: pid {self.worker.pid} at {self.rollout.url}")
+
+    def _start_vllm(self) -> None:
+        """A vLLM server on an export of the current policy (k2_rl.vllm_rollout); every sync
+        pushes the policy into it through k2-ckpt."""
+        from k2_train.export import export_model
+
+        from k2_rl.vllm_rollout import VllmServer
+
+        if self.info.enabled:
+            raise ValueError("--rollout vllm: one process only for now (not under torchrun)")
+        init_dir = self.run_dir / "rollout-vllm"  # the export vLLM starts from (and checks pushes against)
+        tok_dir = self.run_dir / ".rollout-vllm-tokenizer"
+        self.tok.save(tok_dir)
+        export_model(self.model, tok_dir, init_dir, force=True)
+        self.worker = VllmServer(init_dir, self.stop_ids, self.run_dir / "vllm.log")
+        self.rollout = self.worker.start()
+        self.log(f"rollout engine: vLLM pid {self.worker.pid} at {self.rollout.url}")
 
     def _init_ps(self) -> None:
         if self.worker is None and not self.info.enabled:  # the in-process engine: no transfer
@@ -130,6 +151,10 @@ class PolicyEngine:
             target = self.rollout.model
             self.rollout.thread.call_between_steps(lambda: target.load_state_dict(named)).result()
             return time.perf_counter() - t0
+        if self.cfg.rollout == "vllm":  # the export's names (experts one by one), as vLLM loaded them
+            from k2_rl.vllm_rollout import hf_named
+
+            named = hf_named(named)
         name = f"policy-{tag}"
         self.ps.register_checkpoint(name, named_tensors=named)
         req = self.rollout.req_func if self.info.is_main else _rank0_requests
