@@ -48,6 +48,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights and of sampling")
     p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="weights, activations and KV cache. auto: on CUDA the checkpoint's dtype; on CPU bfloat16 "
+        "where this CPU multiplies bf16 natively (AVX512-BF16 or AMX, as k2-optim decides; "
+        "K2_NATIVE_BF16=0|1 overrides), else float32",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of the model step on CPU (default: usable cores - 1, at least 1: one core "
+        "stays with the HTTP server and detokenisation, as vLLM reserves one for its API process)",
+    )
+    p.add_argument(
         "--ckpt-rank",
         type=int,
         default=0,
@@ -104,6 +119,7 @@ def check_args(args: argparse.Namespace) -> str | None:
         ("--kv-cache-tokens", args.kv_cache_tokens, 1),
         ("--block-size", args.block_size, 1),
         ("--port", args.port, 0),
+        ("--threads", args.threads, 1),
     ):
         if value is not None and value < low:
             return f"argument {flag}: must be >= {low}, got {value}"
@@ -146,6 +162,11 @@ def run(args: argparse.Namespace) -> int:
     from k2_stack.serve import build_bridge, create_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    import torch
+
+    from k2_stack.serve.bridge import default_threads
+
+    torch.set_num_threads(args.threads or default_threads())
     try:
         bridge = build_bridge(
             args.model,
@@ -161,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
             log_stats_interval=args.log_stats_interval,
             chat_template=args.chat_template,
             normalize_ids=args.normalize_ids,
+            dtype=args.dtype,
         )
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         return _fail(str(e))

@@ -159,6 +159,29 @@ class EngineBridge:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def default_threads() -> int:
+    """`k2 serve`'s torch threads: the usable cores minus one (at least 1), leaving a core to the
+    HTTP loop and detokenisation (on a 2-core machine two threads ran at half one thread's speed)."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
+def serve_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    """The model dtype for `--dtype` on `device`; None: the checkpoint's own (auto on CUDA).
+    auto on CPU: bf16 where bf16 GEMMs are native (AVX512-BF16 / AMX), else fp32."""
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"--dtype: expected auto, float32 or bfloat16, got {dtype!r}")
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type != "cpu":
+        return None
+    from k2_kernels import cpu_has_native_bf16
+
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
 def build_bridge(
     model_dir: str | None,
     preset: str | None,
@@ -167,12 +190,14 @@ def build_bridge(
     max_model_len: int | None = None,
     seed: int = 0,
     device: str | None = None,
+    dtype: str = "float32",
     **engine: Any,
 ) -> EngineBridge:
     """A bridge for `--model DIR` (HF-format checkpoint; its tokenizer if it has one) or `--preset NAME`
     (random weights from `seed`, the shipped k2-data tokenizer). `device` None: CPU for a preset;
-    for a checkpoint CUDA when available (its dtype), else CPU in fp32 (this CPU's bf16 matmuls are slow).
-    `engine`: the other `ServeConfig` fields (kv_cache_tokens, block_size, enable_prefix_caching, ...)."""
+    for a checkpoint CUDA when available, else CPU. `dtype`: see `serve_dtype` (a preset's random
+    init is drawn in fp32, then cast). `engine`: the other `ServeConfig` fields (kv_cache_tokens,
+    block_size, enable_prefix_caching, ...)."""
     from pathlib import Path
 
     from k2_data import load_tokenizer
@@ -187,7 +212,10 @@ def build_bridge(
         config = K2Config.preset(preset)
         check_fits(config, f"--preset {preset}", weight_bytes=4)  # random init in fp32 on the CPU
         torch.manual_seed(seed)
-        model = K2ForCausalLM(config).to(pick_device(device or "cpu"))
+        dev = pick_device(device or "cpu")
+        model = K2ForCausalLM(config).to(dev)
+        if (want := serve_dtype(dtype, dev)) is not None:
+            model = model.to(want)
         tokenizer = load_tokenizer()
         name = served_model_name or preset
     else:
@@ -205,8 +233,7 @@ def build_bridge(
         if not (d / "config.json").is_file():
             raise FileNotFoundError(f"--model {d}: no config.json (expected an HF-format export)")
         device = pick_device(device)
-        dtype = torch.float32 if device.type == "cpu" else None
-        model = K2ForCausalLM.from_pretrained(str(d), dtype=dtype, device=device)
+        model = K2ForCausalLM.from_pretrained(str(d), dtype=serve_dtype(dtype, device), device=device)
         has_tok = (d / "tokenizer.json").is_file() or (d / "tiktoken.model").is_file()
         tokenizer = load_tokenizer(d if has_tok else None)
         name = served_model_name or d.resolve().name
