@@ -279,6 +279,40 @@ def test_stop_token_ids_strings_max_tokens_and_finish_reasons() -> None:
     assert (c.finish_reason, c.token_ids) == ("length", ref[:4])  # 8 prompt + 4 = 12 positions
 
 
+# A byte-level toy vocabulary: ASCII letters, and the UTF-8 bytes of multi-byte characters cut
+# into single-byte and two-byte tokens, so replies split characters across tokens.
+_PIECES = [bytes([b]) for b in range(ord("a"), ord("z") + 1)] + [
+    part for ch in "é中🙂ß" for enc in [ch.encode()] for part in (enc[:1], enc[1:], enc[:2], enc[2:]) if part
+]
+
+
+def byte_detok(ids: list[int]) -> str:
+    return b"".join(_PIECES[t % len(_PIECES)] for t in ids).decode("utf-8", errors="replace")
+
+
+def test_incremental_text_equals_detokenizing_everything() -> None:
+    """The engine detokenises only each step's pending tokens: its text, and the deltas it streams,
+    equal one detokenisation of all the tokens, though replies cut characters across tokens."""
+    model = make_model()
+    engine = Engine(model, detokenize=byte_detok)
+    prompts = prompts_of([3, 9, 14, 6], seed=4)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True))
+           for i, p in enumerate(prompts)]  # fmt: skip
+    streamed = dict.fromkeys(ids, "")
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed[out.request_id] += out.text_delta
+            if out.finished:
+                done[out.request_id] = out.completion
+    split = 0
+    for rid in ids:
+        c = done[rid]
+        assert len(c.token_ids) == 40 and c.text == byte_detok(c.token_ids) == streamed[rid]
+        split += sum(byte_detok([t]).endswith("\ufffd") for t in c.token_ids)
+    assert split > 10  # the replies did cut characters
+
+
 def test_streamed_text_deltas_and_abort() -> None:
     model = make_model()
     engine = Engine(model, detokenize=detok)

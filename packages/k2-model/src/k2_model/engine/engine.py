@@ -109,6 +109,7 @@ class _Seq:
     keys: list[bytes]
     max_blocks: int
     emitted_chars: int = 0  # text already streamed
+    decoded: int = 0  # token_ids already detokenised into completion.text
 
     @property
     def length(self) -> int:
@@ -473,6 +474,21 @@ class Engine:
             )
         return outputs
 
+    def _detokenize(self, r: _Seq, upto: int, final: bool) -> None:
+        """Append the text of token_ids[r.decoded:upto] to completion.text (incremental: one step costs
+        the few pending tokens, not the whole output). Pending tokens whose text ends in an incomplete
+        character wait for the next token unless `final`; cutting only after a complete character
+        keeps `text` equal to detokenising all the tokens at once (byte-level tokenizers)."""
+        c = r.completion
+        if self.detokenize is None or upto <= r.decoded:
+            return
+        piece = self.detokenize(c.token_ids[r.decoded : upto])
+        # 8 pending tokens cover any UTF-8 character (<= 4 bytes); a reply that ends in a lone
+        # U+FFFD on purpose must not keep the window growing
+        if final or not piece.endswith("\ufffd") or upto - r.decoded >= 8:
+            c.text += piece
+            r.decoded = upto
+
     def _check_stop(self, r: _Seq) -> tuple[str | None, int | str | None, str]:
         """Finish reason, stop reason and the text delta to stream after the newest token."""
         c = r.completion
@@ -480,30 +496,27 @@ class Engine:
         tok = c.token_ids[-1]
         reason: str | None = None
         stop_reason: int | str | None = None
-        text_ids = c.token_ids
+        upto = len(c.token_ids)
         if tok in p.stop_token_ids or (tok in self.eos_token_ids and not p.ignore_eos):
-            reason, stop_reason, text_ids = "stop", tok, c.token_ids[:-1]
-        if self.detokenize is not None:
-            c.text = self.detokenize(text_ids)
-            if reason is None and p.stop:
-                # only the tail can hold a newly completed stop string
-                start = max(0, r.emitted_chars - max(len(s) for s in p.stop))
-                hits = [(c.text.find(s, start), s) for s in p.stop]
-                hits = [(j, s) for j, s in hits if j >= 0]
-                if hits:
-                    j, s = min(hits)
-                    c.text = c.text[: j + len(s)] if p.include_stop_str_in_output else c.text[:j]
-                    reason, stop_reason = "stop", s
-        if reason is None and len(c.token_ids) >= p.max_tokens:
-            reason = "length"
-        if reason is None and r.length >= self.max_model_len:
+            reason, stop_reason, upto = "stop", tok, upto - 1  # the stop token is not in the text
+        at_length = len(c.token_ids) >= p.max_tokens or r.length >= self.max_model_len
+        before = len(c.text)
+        self._detokenize(r, upto, final=reason is not None or at_length)
+        if reason is None and p.stop and len(c.text) > before:
+            # only the tail can hold a newly completed stop string
+            start = max(0, before - max(len(s) for s in p.stop) + 1)
+            hits = [(c.text.find(s, start), s) for s in p.stop]
+            hits = [(j, s) for j, s in hits if j >= 0]
+            if hits:
+                j, s = min(hits)
+                c.text = c.text[: j + len(s)] if p.include_stop_str_in_output else c.text[:j]
+                reason, stop_reason = "stop", s
+        if reason is None and at_length:
             reason = "length"
         if reason is not None:
             end = len(c.text)
-        else:  # hold back what may still become a stop string or an incomplete character
+        else:  # hold back what may still become a stop string
             end = len(c.text) - (max((len(s) for s in p.stop), default=1) - 1)
-            while end > r.emitted_chars and c.text[end - 1] == "\ufffd":
-                end -= 1
         end = max(end, r.emitted_chars)
         delta, r.emitted_chars = c.text[r.emitted_chars : end], end
         return reason, stop_reason, delta
@@ -511,6 +524,7 @@ class Engine:
     def _finish_output(self, r: _Seq, reason: str, stop_reason: int | str | None) -> StepOutput:
         c = r.completion
         c.finish_reason, c.stop_reason = reason, stop_reason
+        self._detokenize(r, len(c.token_ids), final=True)
         delta = c.text[r.emitted_chars :]
         r.emitted_chars = len(c.text)
         return StepOutput(c.request_id, [], [], [], delta, True, reason, c, c.index)
