@@ -488,3 +488,39 @@ def test_queue_beyond_max_batch_size_and_prefill_budget() -> None:
     assert most_running == 2  # never more than max_batch_size in the cache
     for i, rid in enumerate(ids):
         assert done[rid].token_ids == greedy_recompute(model, prompts[i], max_tokens[i])
+
+
+def test_chunked_prefill_keeps_decoding_and_equals_one_prefill() -> None:
+    """A prompt longer than max_prefill_tokens is prefilled over several steps while a running
+    sequence keeps getting a token every step; its greedy tokens equal full recomputation, its n
+    samples fork once the last chunk is in, and an abort mid-prefill finishes every sample."""
+    model = make_model()
+    engine = Engine(model, max_prefill_tokens=16)
+    short, long_ = prompts_of([5, 50], seed=3)
+    sid = engine.add_request(short, SamplingParams(max_tokens=12, temperature=0.0))
+    engine.step()  # the short prompt is prefilled and running
+    lid = engine.add_request(long_, SamplingParams(max_tokens=6, temperature=0.0, n=2))
+    steps_until_first, started, done = 0, False, {}
+    while engine.has_unfinished():
+        outs = engine.step()
+        got = {(o.request_id, o.index) for o in outs if o.token_ids}
+        started = started or any(rid == lid for rid, _ in got)
+        if not started:
+            steps_until_first += 1
+            assert (sid, 0) in got  # decode never stalls for the long prefill
+        for o in outs:
+            if o.finished:
+                done[(o.request_id, o.index)] = o.completion
+    assert steps_until_first == 3  # 50 tokens in chunks of 16: 16, 16, 16, then 2 and the first token
+    assert done[(sid, 0)].token_ids == greedy_recompute(model, short, 12)
+    want = greedy_recompute(model, long_, 6)
+    assert done[(lid, 0)].token_ids == done[(lid, 1)].token_ids == want
+    assert engine.stats.prefilled_tokens == 55 and engine.cache.num_used() == 0
+
+    engine2 = Engine(model, max_prefill_tokens=16, enable_prefix_caching=False)
+    victim = engine2.add_request(long_, SamplingParams(max_tokens=6, temperature=0.0, n=3))
+    engine2.step()
+    engine2.abort(victim)
+    outs = engine2.step()
+    assert sorted(o.index for o in outs if o.finished and o.finish_reason == "abort") == [0, 1, 2]
+    assert not engine2.has_unfinished() and engine2.cache.num_used() == 0

@@ -36,6 +36,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default: max-batch-size full-length sequences)",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=2048,
+        help="prompt tokens prefilled per step; a longer prompt is prefilled in chunks over several "
+        "steps while the running sequences keep decoding (chunked prefill)",
+    )
     p.add_argument("--no-prefix-caching", action="store_true", help="prefill every prompt from scratch")
     p.add_argument(
         "--log-stats-interval",
@@ -118,8 +125,9 @@ def check_args(args: argparse.Namespace) -> str | None:
         ("--max-model-len", args.max_model_len, 2),
         ("--kv-cache-tokens", args.kv_cache_tokens, 1),
         ("--block-size", args.block_size, 1),
+        ("--max-prefill-tokens", getattr(args, "max_prefill_tokens", None), 1),  # k2 chat shares these checks
         ("--port", args.port, 0),
-        ("--threads", args.threads, 1),
+        ("--threads", getattr(args, "threads", None), 1),
     ):
         if value is not None and value < low:
             return f"argument {flag}: must be >= {low}, got {value}"
@@ -178,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
             args.device,
             kv_cache_tokens=args.kv_cache_tokens,
             block_size=args.block_size,
+            max_prefill_tokens=args.max_prefill_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
             log_stats_interval=args.log_stats_interval,
             chat_template=args.chat_template,

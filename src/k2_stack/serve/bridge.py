@@ -52,6 +52,7 @@ class ServeConfig:
     seed: int = 0
     kv_cache_tokens: int | None = None  # the KV memory budget (None: max_batch_size full-length sequences)
     block_size: int = 16
+    max_prefill_tokens: int = 2048  # prompt tokens per step; longer prompts are prefilled in chunks
     enable_prefix_caching: bool = True
     log_stats_interval: float = 10.0  # seconds between summary lines in the log (0: off)
     chat_template: str = "k2"  # k2_data.chat template name the prompts are rendered with
@@ -70,7 +71,7 @@ class EngineBridge:
             model, max_batch_size=config.max_batch_size, max_model_len=config.max_model_len,
             detokenize=lambda ids: tokenizer.decode(ids), eos_token_ids=sorted(stop_ids), seed=config.seed,
             kv_cache_tokens=config.kv_cache_tokens, block_size=config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=config.enable_prefix_caching, max_prefill_tokens=config.max_prefill_tokens,
         )  # fmt: skip
         self.max_model_len = self.engine.max_model_len
         self.runner = EngineThread(self.engine)
