@@ -89,6 +89,20 @@ def test_serve_load_benchmark_measures_k2_and_transformers_serve():
     assert "k2 serve / transformers serve output tokens/s" in out
 
 
+def test_serve_vs_vllm_benchmark_runs_k2_alone():
+    # no vLLM: k2 serve alone on the tiny preset, two rounds (the order alternates), two loads
+    out = run_bench(
+        "serve_vs_vllm.py", "--servers", "k2", "--preset", "tiny", "--rounds", "2", "--loads", "1x2,3x1",
+        "--max-tokens", "4", "--prompt-len", "5", "--k2-threads", "1",
+    )  # fmt: skip
+    assert "machine: " in out and "CPU flags: " in out and "k2 serve --threads 1" in out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert set(rows) >= {"load", "1 client x 2", "3 clients x 1"}, out
+    for load in ("1 client x 2", "3 clients x 1"):
+        tok_s, ttft, itl = (float(c) for c in rows[load].strip("|").split("|")[1:])
+        assert tok_s > 0 and ttft > 0 and itl > 0, rows[load]
+
+
 @pytest.mark.slow
 def test_rl_proof_driver_runs_every_stage(tmp_path):
     # one seed, one objective, one iteration: SFT, k2 rl, the continued-SFT baseline, the ruler, the table

@@ -279,6 +279,40 @@ def test_stop_token_ids_strings_max_tokens_and_finish_reasons() -> None:
     assert (c.finish_reason, c.token_ids) == ("length", ref[:4])  # 8 prompt + 4 = 12 positions
 
 
+# A byte-level toy vocabulary: ASCII letters, and the UTF-8 bytes of multi-byte characters cut
+# into single-byte and two-byte tokens, so replies split characters across tokens.
+_PIECES = [bytes([b]) for b in range(ord("a"), ord("z") + 1)] + [
+    part for ch in "é中🙂ß" for enc in [ch.encode()] for part in (enc[:1], enc[1:], enc[:2], enc[2:]) if part
+]
+
+
+def byte_detok(ids: list[int]) -> str:
+    return b"".join(_PIECES[t % len(_PIECES)] for t in ids).decode("utf-8", errors="replace")
+
+
+def test_incremental_text_equals_detokenizing_everything() -> None:
+    """The engine detokenises only each step's pending tokens: its text, and the deltas it streams,
+    equal one detokenisation of all the tokens, though replies cut characters across tokens."""
+    model = make_model()
+    engine = Engine(model, detokenize=byte_detok)
+    prompts = prompts_of([3, 9, 14, 6], seed=4)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True))
+           for i, p in enumerate(prompts)]  # fmt: skip
+    streamed = dict.fromkeys(ids, "")
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed[out.request_id] += out.text_delta
+            if out.finished:
+                done[out.request_id] = out.completion
+    split = 0
+    for rid in ids:
+        c = done[rid]
+        assert len(c.token_ids) == 40 and c.text == byte_detok(c.token_ids) == streamed[rid]
+        split += sum(byte_detok([t]).endswith("\ufffd") for t in c.token_ids)
+    assert split > 10  # the replies did cut characters
+
+
 def test_streamed_text_deltas_and_abort() -> None:
     model = make_model()
     engine = Engine(model, detokenize=detok)
@@ -454,3 +488,39 @@ def test_queue_beyond_max_batch_size_and_prefill_budget() -> None:
     assert most_running == 2  # never more than max_batch_size in the cache
     for i, rid in enumerate(ids):
         assert done[rid].token_ids == greedy_recompute(model, prompts[i], max_tokens[i])
+
+
+def test_chunked_prefill_keeps_decoding_and_equals_one_prefill() -> None:
+    """A prompt longer than max_prefill_tokens is prefilled over several steps while a running
+    sequence keeps getting a token every step; its greedy tokens equal full recomputation, its n
+    samples fork once the last chunk is in, and an abort mid-prefill finishes every sample."""
+    model = make_model()
+    engine = Engine(model, max_prefill_tokens=16)
+    short, long_ = prompts_of([5, 50], seed=3)
+    sid = engine.add_request(short, SamplingParams(max_tokens=12, temperature=0.0))
+    engine.step()  # the short prompt is prefilled and running
+    lid = engine.add_request(long_, SamplingParams(max_tokens=6, temperature=0.0, n=2))
+    steps_until_first, started, done = 0, False, {}
+    while engine.has_unfinished():
+        outs = engine.step()
+        got = {(o.request_id, o.index) for o in outs if o.token_ids}
+        started = started or any(rid == lid for rid, _ in got)
+        if not started:
+            steps_until_first += 1
+            assert (sid, 0) in got  # decode never stalls for the long prefill
+        for o in outs:
+            if o.finished:
+                done[(o.request_id, o.index)] = o.completion
+    assert steps_until_first == 3  # 50 tokens in chunks of 16: 16, 16, 16, then 2 and the first token
+    assert done[(sid, 0)].token_ids == greedy_recompute(model, short, 12)
+    want = greedy_recompute(model, long_, 6)
+    assert done[(lid, 0)].token_ids == done[(lid, 1)].token_ids == want
+    assert engine.stats.prefilled_tokens == 55 and engine.cache.num_used() == 0
+
+    engine2 = Engine(model, max_prefill_tokens=16, enable_prefix_caching=False)
+    victim = engine2.add_request(long_, SamplingParams(max_tokens=6, temperature=0.0, n=3))
+    engine2.step()
+    engine2.abort(victim)
+    outs = engine2.step()
+    assert sorted(o.index for o in outs if o.finished and o.finish_reason == "abort") == [0, 1, 2]
+    assert not engine2.has_unfinished() and engine2.cache.num_used() == 0

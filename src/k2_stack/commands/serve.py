@@ -36,6 +36,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default: max-batch-size full-length sequences)",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=2048,
+        help="prompt tokens prefilled per step; a longer prompt is prefilled in chunks over several "
+        "steps while the running sequences keep decoding (chunked prefill)",
+    )
     p.add_argument("--no-prefix-caching", action="store_true", help="prefill every prompt from scratch")
     p.add_argument(
         "--log-stats-interval",
@@ -47,6 +54,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--device", default=None, help="cpu | cuda (default: cpu for a preset, cuda if available for --model)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights and of sampling")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="weights, activations and KV cache. auto: on CUDA the checkpoint's dtype; on CPU bfloat16 "
+        "where this CPU multiplies bf16 natively (AVX512-BF16 or AMX, as k2-optim decides; "
+        "K2_NATIVE_BF16=0|1 overrides), else float32",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of the model step on CPU (default: usable cores - 1, at least 1: one core "
+        "stays with the HTTP server and detokenisation, as vLLM reserves one for its API process)",
+    )
     p.add_argument(
         "--ckpt-rank",
         type=int,
@@ -103,7 +125,9 @@ def check_args(args: argparse.Namespace) -> str | None:
         ("--max-model-len", args.max_model_len, 2),
         ("--kv-cache-tokens", args.kv_cache_tokens, 1),
         ("--block-size", args.block_size, 1),
+        ("--max-prefill-tokens", getattr(args, "max_prefill_tokens", None), 1),  # k2 chat shares these checks
         ("--port", args.port, 0),
+        ("--threads", getattr(args, "threads", None), 1),
     ):
         if value is not None and value < low:
             return f"argument {flag}: must be >= {low}, got {value}"
@@ -146,6 +170,11 @@ def run(args: argparse.Namespace) -> int:
     from k2_stack.serve import build_bridge, create_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    import torch
+
+    from k2_stack.serve.bridge import default_threads
+
+    torch.set_num_threads(args.threads or default_threads())
     try:
         bridge = build_bridge(
             args.model,
@@ -157,10 +186,12 @@ def run(args: argparse.Namespace) -> int:
             args.device,
             kv_cache_tokens=args.kv_cache_tokens,
             block_size=args.block_size,
+            max_prefill_tokens=args.max_prefill_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
             log_stats_interval=args.log_stats_interval,
             chat_template=args.chat_template,
             normalize_ids=args.normalize_ids,
+            dtype=args.dtype,
         )
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         return _fail(str(e))

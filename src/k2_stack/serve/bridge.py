@@ -1,7 +1,8 @@
 """The engine bridge: one `EngineThread` shared by every request, awaited from asyncio.
 
-Each request's `StepOutput` queue is read on a thread of a private pool (the engine thread fills
-it), so many concurrent streams never exhaust asyncio's small default executor. Structured output
+The engine thread hands each request's `StepOutput`s to the event loop (`call_soon_threadsafe`
+onto an asyncio.Queue): no thread blocks per stream, so 32 streams cost the loop one wake-up per
+step, not 32 thread hand-offs through the GIL. Structured output
 (forced tool calls, `response_format`) is a logits processor of the request, batched like any other.
 Weight updates (`update_weights`) run between two steps: requests already running keep their cache,
 the prefix cache is flushed.
@@ -11,11 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,22 @@ from k2_stack.serve.metrics import ServeMetrics
 log = logging.getLogger("k2.serve")
 
 
+class _LoopQueue:
+    """A request's outputs, put by the engine thread, awaited on the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop, self._q = loop, asyncio.Queue()
+
+    def put(self, item: Any) -> None:  # on the engine thread
+        try:
+            self._loop.call_soon_threadsafe(self._q.put_nowait, item)
+        except RuntimeError:  # the loop closed (server shutting down): nobody is reading
+            pass
+
+    async def get(self) -> Any:
+        return await self._q.get()
+
+
 @dataclass
 class ServeConfig:
     served_model_name: str
@@ -37,6 +52,7 @@ class ServeConfig:
     seed: int = 0
     kv_cache_tokens: int | None = None  # the KV memory budget (None: max_batch_size full-length sequences)
     block_size: int = 16
+    max_prefill_tokens: int = 2048  # prompt tokens per step; longer prompts are prefilled in chunks
     enable_prefix_caching: bool = True
     log_stats_interval: float = 10.0  # seconds between summary lines in the log (0: off)
     chat_template: str = "k2"  # k2_data.chat template name the prompts are rendered with
@@ -55,12 +71,11 @@ class EngineBridge:
             model, max_batch_size=config.max_batch_size, max_model_len=config.max_model_len,
             detokenize=lambda ids: tokenizer.decode(ids), eos_token_ids=sorted(stop_ids), seed=config.seed,
             kv_cache_tokens=config.kv_cache_tokens, block_size=config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=config.enable_prefix_caching, max_prefill_tokens=config.max_prefill_tokens,
         )  # fmt: skip
         self.max_model_len = self.engine.max_model_len
         self.runner = EngineThread(self.engine)
         self.metrics = ServeMetrics(config.served_model_name)
-        self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="k2-serve-wait")
         self._lltok = None  # built on the first structured request (about 50 ms)
         self.num_aborted = 0  # requests whose consumer went away before they finished
         self._closed = threading.Event()
@@ -94,16 +109,13 @@ class EngineBridge:
         """StepOutputs of one request (all its `params.n` samples); aborts it if the consumer goes away.
         Records time to first token (per request) and inter-token latency (per sample)."""
         t0 = time.perf_counter()
-        rid, q = self.runner.submit(prompt_ids, params)
-        loop = asyncio.get_running_loop()
+        q = _LoopQueue(asyncio.get_running_loop())
+        rid, _ = self.runner.submit(prompt_ids, params, out=q)
         remaining = params.n
         last: dict[int, float] = {}
         try:
             while remaining:
-                try:
-                    out = q.get_nowait()
-                except queue.Empty:
-                    out = await loop.run_in_executor(self._pool, q.get)
+                out = await q.get()
                 if isinstance(out, BaseException):
                     raise out
                 if out.token_ids:
@@ -156,7 +168,29 @@ class EngineBridge:
     def close(self) -> None:
         self._closed.set()
         self.runner.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def default_threads() -> int:
+    """`k2 serve`'s torch threads: the usable cores minus one (at least 1), leaving a core to the
+    HTTP loop and detokenisation (on a 2-core machine two threads ran at half one thread's speed)."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
+def serve_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    """The model dtype for `--dtype` on `device`; None: the checkpoint's own (auto on CUDA).
+    auto on CPU: bf16 where bf16 GEMMs are native (AVX512-BF16 / AMX), else fp32."""
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"--dtype: expected auto, float32 or bfloat16, got {dtype!r}")
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type != "cpu":
+        return None
+    from k2_kernels import cpu_has_native_bf16
+
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 def build_bridge(
@@ -167,12 +201,14 @@ def build_bridge(
     max_model_len: int | None = None,
     seed: int = 0,
     device: str | None = None,
+    dtype: str = "float32",
     **engine: Any,
 ) -> EngineBridge:
     """A bridge for `--model DIR` (HF-format checkpoint; its tokenizer if it has one) or `--preset NAME`
     (random weights from `seed`, the shipped k2-data tokenizer). `device` None: CPU for a preset;
-    for a checkpoint CUDA when available (its dtype), else CPU in fp32 (this CPU's bf16 matmuls are slow).
-    `engine`: the other `ServeConfig` fields (kv_cache_tokens, block_size, enable_prefix_caching, ...)."""
+    for a checkpoint CUDA when available, else CPU. `dtype`: see `serve_dtype` (a preset's random
+    init is drawn in fp32, then cast). `engine`: the other `ServeConfig` fields (kv_cache_tokens,
+    block_size, enable_prefix_caching, ...)."""
     from pathlib import Path
 
     from k2_data import load_tokenizer
@@ -187,7 +223,10 @@ def build_bridge(
         config = K2Config.preset(preset)
         check_fits(config, f"--preset {preset}", weight_bytes=4)  # random init in fp32 on the CPU
         torch.manual_seed(seed)
-        model = K2ForCausalLM(config).to(pick_device(device or "cpu"))
+        dev = pick_device(device or "cpu")
+        model = K2ForCausalLM(config).to(dev)
+        if (want := serve_dtype(dtype, dev)) is not None:
+            model = model.to(want)
         tokenizer = load_tokenizer()
         name = served_model_name or preset
     else:
@@ -205,8 +244,7 @@ def build_bridge(
         if not (d / "config.json").is_file():
             raise FileNotFoundError(f"--model {d}: no config.json (expected an HF-format export)")
         device = pick_device(device)
-        dtype = torch.float32 if device.type == "cpu" else None
-        model = K2ForCausalLM.from_pretrained(str(d), dtype=dtype, device=device)
+        model = K2ForCausalLM.from_pretrained(str(d), dtype=serve_dtype(dtype, device), device=device)
         has_tok = (d / "tokenizer.json").is_file() or (d / "tiktoken.model").is_file()
         tokenizer = load_tokenizer(d if has_tok else None)
         name = served_model_name or d.resolve().name

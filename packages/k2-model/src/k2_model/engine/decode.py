@@ -38,6 +38,8 @@ class DecodeIndex:
     block_n: Tensor  # the block its row goes to
     offset_n: Tensor  # and the offset in it
     table_nM: Tensor  # block tables, padded with any block id (masked by position)
+    keys_n1L: Tensor  # True where key j exists for the sequence (j <= pos), [n, 1, M * B]
+    rows: Tensor  # [n * M, B, K] buffer the layers gather their cache rows into, in turn
 
 
 @dataclass
@@ -71,11 +73,6 @@ def _up_weights(attn: MLAttention) -> tuple[Tensor, Tensor]:
     return w_HXC[:, : attn.P], w_HXC[:, attn.P :]
 
 
-def _key_mask(lengths_n: Tensor, L: int) -> Tensor:
-    """[n, 1, L] True where key j < length (the key exists for that sequence)."""
-    return (torch.arange(L, device=lengths_n.device).unsqueeze(0) < lengths_n.unsqueeze(1)).unsqueeze(1)
-
-
 def decode_attention_absorbed(
     attn: MLAttention,
     x_nD: Tensor,
@@ -92,15 +89,13 @@ def decode_attention_absorbed(
     q_nope_nHP, q_rope_nHR = q_nHX.split([attn.P, attn.R], dim=-1)
     q_rope_nHR = apply_rope_interleaved(q_rope_nHR, cos_nR2.unsqueeze(1), sin_nR2.unsqueeze(1))
     cache.write(layer, idx.block_n, idx.offset_n, cache_rows(attn, x_nD, cos_nR2, sin_nR2))
-    kv_nLK = cache.gather(layer, idx.table_nM)
+    kv_nLK = cache.gather(layer, idx.table_nM, out=idx.rows)
 
     w_uk_HPC, w_uv_HVC = _up_weights(attn)
     q_lat_HnC = torch.bmm(q_nope_nHP.transpose(0, 1), w_uk_HPC)  # W_UK folded into the query
     q_nHK = torch.cat((q_lat_HnC.transpose(0, 1), q_rope_nHR), dim=-1)
     scores_nHL = torch.bmm(q_nHK, kv_nLK.transpose(1, 2).to(q_nHK.dtype))
-    scores_nHL = scores_nHL.mul_(attn.softmax_scale).masked_fill_(
-        ~_key_mask(idx.pos_n + 1, kv_nLK.shape[1]), float("-inf")
-    )
+    scores_nHL = scores_nHL.mul_(attn.softmax_scale).masked_fill_(~idx.keys_n1L, float("-inf"))
     probs_nHL = F.softmax(scores_nHL, dim=-1, dtype=torch.float32).to(q_nHK.dtype)
     o_lat_nHC = torch.bmm(probs_nHL, kv_nLK[..., :C].to(q_nHK.dtype))
     o_HnV = torch.bmm(o_lat_nHC.transpose(0, 1), w_uv_HVC.transpose(1, 2))  # W_UV folded into the output
@@ -123,13 +118,13 @@ def decode_attention_expanded(
     q_nope_nHP, q_rope_nHR = q_nHX.split([P, R], dim=-1)
     q_rope_nHR = apply_rope_interleaved(q_rope_nHR, cos_nR2.unsqueeze(1), sin_nR2.unsqueeze(1))
     cache.write(layer, idx.block_n, idx.offset_n, cache_rows(attn, x_nD, cos_nR2, sin_nR2))
-    kv_nLK = cache.gather(layer, idx.table_nM).to(q_nHX.dtype)
+    kv_nLK = cache.gather(layer, idx.table_nM, out=idx.rows).to(q_nHX.dtype)
     max_len = kv_nLK.shape[1]
     kv_nLHX = attn.kv_b_proj(kv_nLK[..., :C]).view(n, max_len, H, P + V)
     k_nope_nHLP, v_nHLV = kv_nLHX.transpose(1, 2).split([P, V], dim=-1)
     k_nHLX = torch.cat((k_nope_nHLP, kv_nLK[..., C:].unsqueeze(1).expand(n, H, max_len, R)), dim=-1)
     q_nH1X = torch.cat((q_nope_nHP, q_rope_nHR), dim=-1).unsqueeze(2)
-    mask_n11L = _key_mask(idx.pos_n + 1, max_len).unsqueeze(1)
+    mask_n11L = idx.keys_n1L.unsqueeze(1)
     o_nH1V = F.scaled_dot_product_attention(
         q_nH1X, k_nHLX, v_nHLV, attn_mask=mask_n11L, scale=attn.softmax_scale
     )

@@ -109,6 +109,18 @@ class _Seq:
     keys: list[bytes]
     max_blocks: int
     emitted_chars: int = 0  # text already streamed
+    decoded: int = 0  # token_ids already detokenised into completion.text
+    prefilled: int = 0  # prompt tokens in the cache (chunked prefill: < prompt length for a while)
+    request: _Pending | None = None  # while prefilling: the request (its samples fork when it is done)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.request is not None
+
+    @property
+    def samples(self) -> int:
+        """Batch rows this sequence stands for: a request still prefilling counts all its samples."""
+        return self.request.params.n if self.request is not None else 1
 
     @property
     def length(self) -> int:
@@ -133,7 +145,8 @@ class Engine:
     `detokenize(ids) -> str` is needed for stop strings and `text` (without it `text` stays "").
     `eos_token_ids` defaults to the config's `eos_token_id`. `max_model_len` (prompt + generated
     tokens) defaults to the config's `max_position_embeddings`. `max_prefill_tokens` bounds the
-    new prompt tokens admitted in one step (at least one request is always admitted).
+    prompt tokens prefilled in one step: a longer prompt is prefilled in chunks over several steps
+    (chunked prefill) while the running sequences keep decoding one token per step.
     `kv_cache_tokens` is the KV memory budget in tokens (default: `max_batch_size` full-length
     sequences); `block_size` tokens per cache block; `enable_prefix_caching` reuses cached prompt
     prefixes across requests. `attention` "expanded" decodes with per-head keys and values rebuilt
@@ -161,6 +174,8 @@ class Engine:
             )
         if max_batch_size < 1:
             raise ValueError(f"Engine: max_batch_size must be >= 1, got {max_batch_size}")
+        if max_prefill_tokens < 1:
+            raise ValueError(f"Engine: max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         if block_size < 1:
             raise ValueError(f"Engine: block_size must be >= 1, got {block_size}")
         cfg = model.config
@@ -312,7 +327,12 @@ class Engine:
 
     def _reserved(self) -> int:
         """Blocks the running sequences may still allocate (their worst case)."""
-        return sum(max(s.max_blocks - len(s.table), 0) for s in self._running)
+        # a request still prefilling holds only its first sample's table: the worst case of its
+        # samples to come (need_blocks, prompt blocks shared) stays reserved too
+        return sum(
+            max((s.request.need_blocks if s.request is not None else s.max_blocks) - len(s.table), 0)
+            for s in self._running
+        )
 
     def _admit(self, r: _Pending) -> tuple[_Seq, int]:
         """Give a request's first sample its blocks (cached prefix retained, the rest allocated); (seq, cached tokens)."""
@@ -325,6 +345,7 @@ class Engine:
         c = Completion(r.request_id, r.prompt, r.params, num_cached_tokens=len(hits) * B)
         gen = None if r.params.greedy else torch.Generator().manual_seed(r.seed)
         seq = _Seq(c, gen, list(r.params.logits_processors), table, list(r.keys), r.max_blocks)
+        seq.prefilled, seq.request = len(hits) * B, r
         return seq, len(hits) * B
 
     def _fork(self, parent: _Seq, r: _Pending, index: int) -> _Seq:
@@ -350,7 +371,6 @@ class Engine:
     @torch.inference_mode()
     def _step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
-        admitted: list[tuple[_Pending, _Seq, int]] = []
         with self._lock:
             aborts, self._aborts = self._aborts, set()
             kept = deque()
@@ -365,24 +385,42 @@ class Engine:
             self._waiting = kept
         if aborts:
             for s in [s for s in self._running if s.completion.request_id in aborts]:
+                if s.request is not None:  # still prefilling: its other samples were never forked
+                    for i in range(1, s.request.params.n):
+                        c = Completion(s.request.request_id, s.request.prompt, s.request.params, index=i)
+                        c.finish_reason = "abort"
+                        outputs.append(StepOutput(c.request_id, [], [], [], "", True, "abort", c, i))
                 outputs.append(self._finish_output(s, "abort", None))
                 self._release(s)
 
-        decoding = list(self._running)
+        decoding = [s for s in self._running if not s.prefilling]
+        # the prefill budget goes first to prompts already being prefilled (oldest first), then to
+        # new requests; a prompt longer than what is left is prefilled in chunks over the next steps
+        budget = self.max_prefill_tokens
+        chunks: list[tuple[_Seq, int, int]] = []  # (sequence, first, end) prompt tokens this step
+        for s in self._running:
+            if s.prefilling and budget > 0:
+                end = min(len(s.completion.prompt_token_ids), s.prefilled + budget)
+                chunks.append((s, s.prefilled, end))
+                budget -= end - s.prefilled
         with self._lock:  # admission: batch size, prefill budget, KV budget (worst case), in arrival order
-            budget, seqs = self.max_prefill_tokens, len(self._running)
-            while self._waiting:
+            seqs = sum(s.samples for s in self._running)
+            while self._waiting and budget > 0:
                 r = self._waiting[0]
-                if seqs + r.params.n > self.max_batch_size or (admitted and len(r.prompt) > budget):
+                if seqs + r.params.n > self.max_batch_size:
                     break
                 if r.need_blocks > self.cache.num_available() - self._reserved():
                     break
                 self._waiting.popleft()
                 seq, cached = self._admit(r)
                 self._running.append(seq)  # counted in _reserved from now on
-                admitted.append((r, seq, cached))
-                budget -= len(r.prompt) - cached
+                end = min(len(r.prompt), cached + budget)
+                chunks.append((seq, cached, end))
+                budget -= end - cached
                 seqs += r.params.n
+                self.stats.requests_admitted += 1
+                self.stats.prompt_tokens += len(r.prompt)
+                self.stats.cached_tokens += cached
 
         rows: list[_Seq] = []
         logits = []
@@ -404,20 +442,20 @@ class Engine:
                     ids = s.completion.prompt_token_ids + s.completion.token_ids
                     s.keys.append(block_key(s.keys[-1] if s.keys else None, ids[pos + 1 - B : pos + 1]))
                     self.cache.register(s.table[pos // B], s.keys[-1])
-        if admitted:
-            new = [r.prompt[cached:] for r, _, cached in admitted]
+        if chunks:
             pre = prefill(
                 self.model,
                 self.cache,
-                new,
-                [cached for _, _, cached in admitted],
-                [s.table for _, s, _ in admitted],
+                [s.completion.prompt_token_ids[a:b] for s, a, b in chunks],
+                [a for _, a, _ in chunks],
+                [s.table for s, _, _ in chunks],
             )
-            for i, (r, seq, cached) in enumerate(admitted):
-                self.stats.requests_admitted += 1
-                self.stats.prompt_tokens += len(r.prompt)
-                self.stats.cached_tokens += cached
-                self.stats.prefilled_tokens += len(r.prompt) - cached
+            for i, (seq, a, b) in enumerate(chunks):
+                self.stats.prefilled_tokens += b - a
+                seq.prefilled = b
+                if b < len(seq.completion.prompt_token_ids):
+                    continue  # more chunks to come: nothing to sample yet
+                r, seq.request = seq.request, None
                 if self.enable_prefix_caching:
                     for k, key in enumerate(r.keys):
                         self.cache.register(seq.table[k], key)
@@ -473,6 +511,21 @@ class Engine:
             )
         return outputs
 
+    def _detokenize(self, r: _Seq, upto: int, final: bool) -> None:
+        """Append the text of token_ids[r.decoded:upto] to completion.text (incremental: one step costs
+        the few pending tokens, not the whole output). Pending tokens whose text ends in an incomplete
+        character wait for the next token unless `final`; cutting only after a complete character
+        keeps `text` equal to detokenising all the tokens at once (byte-level tokenizers)."""
+        c = r.completion
+        if self.detokenize is None or upto <= r.decoded:
+            return
+        piece = self.detokenize(c.token_ids[r.decoded : upto])
+        # 8 pending tokens cover any UTF-8 character (<= 4 bytes); a reply that ends in a lone
+        # U+FFFD on purpose must not keep the window growing
+        if final or not piece.endswith("\ufffd") or upto - r.decoded >= 8:
+            c.text += piece
+            r.decoded = upto
+
     def _check_stop(self, r: _Seq) -> tuple[str | None, int | str | None, str]:
         """Finish reason, stop reason and the text delta to stream after the newest token."""
         c = r.completion
@@ -480,30 +533,27 @@ class Engine:
         tok = c.token_ids[-1]
         reason: str | None = None
         stop_reason: int | str | None = None
-        text_ids = c.token_ids
+        upto = len(c.token_ids)
         if tok in p.stop_token_ids or (tok in self.eos_token_ids and not p.ignore_eos):
-            reason, stop_reason, text_ids = "stop", tok, c.token_ids[:-1]
-        if self.detokenize is not None:
-            c.text = self.detokenize(text_ids)
-            if reason is None and p.stop:
-                # only the tail can hold a newly completed stop string
-                start = max(0, r.emitted_chars - max(len(s) for s in p.stop))
-                hits = [(c.text.find(s, start), s) for s in p.stop]
-                hits = [(j, s) for j, s in hits if j >= 0]
-                if hits:
-                    j, s = min(hits)
-                    c.text = c.text[: j + len(s)] if p.include_stop_str_in_output else c.text[:j]
-                    reason, stop_reason = "stop", s
-        if reason is None and len(c.token_ids) >= p.max_tokens:
-            reason = "length"
-        if reason is None and r.length >= self.max_model_len:
+            reason, stop_reason, upto = "stop", tok, upto - 1  # the stop token is not in the text
+        at_length = len(c.token_ids) >= p.max_tokens or r.length >= self.max_model_len
+        before = len(c.text)
+        self._detokenize(r, upto, final=reason is not None or at_length)
+        if reason is None and p.stop and len(c.text) > before:
+            # only the tail can hold a newly completed stop string
+            start = max(0, before - max(len(s) for s in p.stop) + 1)
+            hits = [(c.text.find(s, start), s) for s in p.stop]
+            hits = [(j, s) for j, s in hits if j >= 0]
+            if hits:
+                j, s = min(hits)
+                c.text = c.text[: j + len(s)] if p.include_stop_str_in_output else c.text[:j]
+                reason, stop_reason = "stop", s
+        if reason is None and at_length:
             reason = "length"
         if reason is not None:
             end = len(c.text)
-        else:  # hold back what may still become a stop string or an incomplete character
+        else:  # hold back what may still become a stop string
             end = len(c.text) - (max((len(s) for s in p.stop), default=1) - 1)
-            while end > r.emitted_chars and c.text[end - 1] == "\ufffd":
-                end -= 1
         end = max(end, r.emitted_chars)
         delta, r.emitted_chars = c.text[r.emitted_chars : end], end
         return reason, stop_reason, delta
@@ -511,6 +561,7 @@ class Engine:
     def _finish_output(self, r: _Seq, reason: str, stop_reason: int | str | None) -> StepOutput:
         c = r.completion
         c.finish_reason, c.stop_reason = reason, stop_reason
+        self._detokenize(r, len(c.token_ids), final=True)
         delta = c.text[r.emitted_chars :]
         r.emitted_chars = len(c.text)
         return StepOutput(c.request_id, [], [], [], delta, True, reason, c, c.index)

@@ -92,6 +92,8 @@ def decode(
         table_nM=torch.tensor(
             [list(t) + [t[0]] * (M - len(t)) for t in tables], dtype=torch.long, device=device
         ),
+        keys_n1L=(torch.arange(M * B, device=device)[None] <= pos_n[:, None]).unsqueeze(1),
+        rows=torch.empty(len(tables) * M, B, cache.row_size, dtype=cache.dtype, device=device),
     )
     inner = model.model
     cos_nR2, sin_nR2 = rope_cos_sin(inner.rope_inv_freq, pos_n, inner.rope_attention_factor)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from k2_model.engine.engine import Engine, StepOutput
+from k2_model.engine.engine import Engine
 from k2_model.engine.sampling import SamplingParams
 
 
@@ -24,7 +24,7 @@ class EngineThread:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._queues: dict[str, queue.Queue[StepOutput | BaseException]] = {}
+        self._queues: dict[str, Any] = {}  # request id -> its output queue
         self._unfinished: dict[str, int] = {}  # samples of each request still running
         self._wake = threading.Condition()
         self._stop = False
@@ -36,8 +36,11 @@ class EngineThread:
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
-    ) -> tuple[str, queue.Queue[StepOutput | BaseException]]:
-        q: queue.Queue[StepOutput | BaseException] = queue.Queue()
+        out: Any = None,
+    ) -> tuple[str, Any]:
+        """Queue a request; its StepOutputs (or the engine's exception) go to `out` (anything with
+        `put(item)`, called on the engine thread; default a new queue.Queue), which is returned."""
+        q = queue.Queue() if out is None else out
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
         if rid in self._queues:
             raise ValueError(f"EngineThread.submit: request_id {rid!r} is already running")
