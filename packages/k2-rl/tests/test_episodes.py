@@ -241,6 +241,14 @@ def test_budgets_cut_episodes_and_the_cut_are_penalised():
     assert eb.shaped == [pytest.approx(r - 0.5) for r in eb.raw]  # the truncation penalty
 
 
+def test_a_malformed_call_is_dropped_and_counted_the_valid_one_runs():
+    good = '<|tool_call_begin|>functions.kv_set:0<|tool_call_argument_begin|>{"key": "color", "value": "blue"}<|tool_call_end|>'
+    bad = '<|tool_call_begin|>functions.kv_set:1{"key": "x"}<|tool_call_end|>'
+    engine = scripted(f"<|tool_calls_section_begin|>{good}{bad}<|tool_calls_section_end|>", "done")
+    (e,) = _runner(_cfg()).rollout(engine, _kv_tasks(), 1, temperature=1.0, top_p=1.0, seed=0)
+    assert e.calls == 1 and e.malformed_calls == 1 and e.success
+
+
 class _Broken:
     """An environment that fails in the way it is told to, on its first step."""
 

@@ -28,7 +28,9 @@ waiting for it.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import statistics
 import threading
 import time
@@ -43,6 +45,19 @@ import torch
 from k2_rl.rewards.base import budget_penalty
 from k2_rl.rewards.length import add_length_reward, length_coef_at
 from k2_rl.rollout import Sample, derive_seed
+
+CALL_BEGIN = "<|tool_call_begin|>"
+
+
+@contextlib.contextmanager
+def _quiet_parser():
+    log = logging.getLogger("k2_data.chat")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 class EnvFailure(RuntimeError):
@@ -81,6 +96,7 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)  # the engine's, of the sampled tokens
     turns: int = 0
     calls: int = 0
+    malformed_calls: int = 0  # call markup the parser dropped (no argument marker, bad JSON, ...)
     finish: str = ""  # answer | done | turns | tokens | error ("" while open)
     answer: str = ""
     error: str | None = None
@@ -106,6 +122,7 @@ class Episode:
             "task": self.task_index,
             "turns": self.turns,
             "calls": self.calls,
+            "malformed_calls": self.malformed_calls,
             "finish": self.finish,
             "reward": self.reward,
             "success": self.success,
@@ -173,7 +190,9 @@ class EpisodeRunner:
             e.finish = "tokens"
             return
         text = self.tok.decode([t for t in ids if t not in self.stop])
-        content, calls = parse_tool_calls(text, e.tools)
+        with _quiet_parser():  # counted per episode instead of a warning per dropped call
+            content, calls = parse_tool_calls(text, e.tools)
+        e.malformed_calls += max(0, text.count(CALL_BEGIN) - len(calls))
         assistant: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             assistant["tool_calls"] = calls
@@ -364,6 +383,7 @@ def episode_metrics(eps: Sequence[Episode]) -> dict[str, Any]:
         "success_rate": sum(e.success for e in eps) / n,
         "turns_mean": statistics.mean(e.turns for e in eps),
         "tool_calls_mean": statistics.mean(e.calls for e in eps),
+        "malformed_calls_mean": statistics.mean(e.malformed_calls for e in eps),
         "policy_tokens_mean": statistics.mean(e.policy_tokens for e in eps),
         "episode_tokens_mean": statistics.mean(len(e.ids) for e in eps),
         "env_errors": len(errors),

@@ -136,6 +136,7 @@ def make_task(rng: random.Random) -> dict:
         ],
         "answer": str(a * b + c),
         "expected_calls": [{"name": "calculate", "arguments": {"expression": expr}}],
+        "expert_answer": str(a * b + c),
     }
 
 

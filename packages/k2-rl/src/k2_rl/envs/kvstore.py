@@ -133,6 +133,7 @@ def make_task(rng: random.Random) -> dict:
         "initial_state": {"kv": init} if init else {},
         "expected_state": {"kv": exp} if exp else {},
         "expected_calls": [{"name": n, "arguments": a} for n, a in calls],
+        "expert_answer": "done",
         "kind": kind,
     }
 

@@ -124,6 +124,10 @@ class PythonMaker:
                     ],
                     "tests": tests,
                     "solution": solution,
+                    "expert_calls": [
+                        {"name": "run_python", "arguments": {"code": f"{solution}\n{tests}\nprint('ok')"}}
+                    ],
+                    "expert_answer": f"```python\n{solution}\n```",
                 }
             )
         return out
