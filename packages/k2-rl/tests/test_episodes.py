@@ -401,6 +401,10 @@ def test_env_run_stopped_and_resumed_matches_an_uninterrupted_one(tmp_path):
         for x in (tmp_path / "full" / "episodes" / "iteration-000001.jsonl").read_text().splitlines()
     ]
     assert len(eps) == 8 and all("finish" in e and "continuity_first_diff" in e for e in eps)
+    from k2_rl.episodes import iteration_table
+
+    table = iteration_table(tmp_path / "full").splitlines()
+    assert len(table) == 2 + 3 and table[0].split()[:3] == ["iter", "reward", "success"]
 
     part = run_rl_quiet(_run_cfg(tmp_path, "part", stop_at=1, length_reward_coef=0.1))
     assert part.interrupted and part.iterations_done == 1

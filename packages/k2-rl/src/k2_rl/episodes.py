@@ -410,4 +410,34 @@ __all__ = [
     "episode_metrics",
     "first_difference",
     "guarded",
+    "iteration_table",
 ]
+
+
+def iteration_table(run_dir: str | Path) -> str:
+    """A text table of an episode run's iterations: reward, strict success, turns, calls, cut and
+    environment errors, with the held-out success where it was evaluated."""
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    held = {r["iteration"]: r["heldout_accuracy"] for r in rows if r.get("heldout_accuracy") is not None}
+    its = [r for r in rows if "episode_reward_mean" in r]
+    head = f"{'iter':>4}  {'reward':>6}  {'success':>7}  {'turns':>5}  {'calls':>5}  {'cut':>5}  {'errors':>6}  {'held-out':>8}"
+    lines = [head, "-" * len(head)]
+    if 0 in held:
+        lines.append(f"{0:>4}  {'':>6}  {'':>7}  {'':>5}  {'':>5}  {'':>5}  {'':>6}  {held[0]:>8.1%}")
+    for r in its:
+        cut = r.get("finish_turns", 0) + r.get("finish_tokens", 0)
+        h = held.get(r["iteration"])
+        lines.append(
+            f"{r['iteration']:>4}  {r['episode_reward_mean']:>6.3f}  {r['success_rate']:>7.1%}  "
+            f"{r['turns_mean']:>5.2f}  {r['tool_calls_mean']:>5.2f}  {cut:>5.1%}  {r['env_errors']:>6d}  "
+            + (f"{h:>8.1%}" if h is not None else f"{'':>8}")
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m k2_rl.episodes RUN_DIR: the run's table
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m k2_rl.episodes RUN_DIR")
+    print(iteration_table(sys.argv[1]))
