@@ -427,6 +427,44 @@ def run_rl_quiet(cfg, resume=False):
     return run_rl(cfg, resume=resume, log=lambda _m: None)
 
 
+COUNTER = """
+from k2_rl.envs.base import Score, Step
+
+class Counter:
+    def reset(self, task):
+        self.n, self.task = 0, task
+        tools = [{"type": "function", "function": {"name": "bump", "parameters": {"type": "object", "properties": {}}}}]
+        return task["messages"], tools
+    def step(self, tool_calls):
+        self.n += len(tool_calls)
+        return Step([str(self.n)] * len(tool_calls), done=False, state=self.n)
+    def score(self, answer):
+        ok = self.n == self.task["target"]
+        return Score(float(ok), ok, {"count": float(ok)})
+    def close(self): pass
+
+class CounterMaker:
+    name = "counter"
+    def __call__(self): return Counter()
+    def tasks(self, n, seed): return [{"messages": [{"role": "user", "content": "Bump twice."}], "target": 2}] * n
+    def close(self): pass
+"""
+
+
+def test_a_user_environment_from_a_file_runs_episodes(tmp_path):
+    """The example environment of docs/rl.md, loaded as `--env FILE.py:NAME`."""
+    path = tmp_path / "my_envs.py"
+    path.write_text(COUNTER)
+    maker = get_env(f"{path}:CounterMaker")
+    bump = call_text("bump", "{}")
+    engine = scripted(bump, bump, "done")
+    eb = _runner(_cfg(env=f"{path}:CounterMaker"), maker).iteration(
+        engine, maker.tasks(1, 0), 2, temperature=1.0, top_p=1.0, seed=0, iteration=0, pad_id=0
+    )
+    assert [(e.turns, e.calls, e.success) for e in eb.episodes] == [(3, 2, True), (3, 2, True)]
+    assert eb.metrics["part_count"] == 1.0 and eb.metrics["continuity_turn3"] == 1.0
+
+
 def test_env_config_errors_name_the_field():
     with pytest.raises(ValueError, match="env='nope'"):
         RLConfig.flat(env="nope").validate()
