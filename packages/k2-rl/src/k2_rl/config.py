@@ -5,9 +5,10 @@ overridable by flags.
       model:     k2_model.ModelSpec    init, preset, model_overrides, attention
       optim:     k2_optim.OptimConfig  optimizer, lr, adamw_lr, weight_decay, tau, ns_dtype, grad_clip
       rollouts:  RolloutConfig         samples_per_prompt, the response budget, sampling, the engine
-      rewards:   RewardConfig          reward, its workers and timeout, the truncation penalty
+      rewards:   RewardConfig          reward, its workers and timeout, the truncation penalty, the length reward
       rubric:    RubricConfig          the self-critique rubric reward and its critic
       objective: LossConfig            loss, rl_tau, clip_eps, the PTX term
+      episodes:  EpisodeConfig         env, max_turns, max_episode_tokens: multi-turn tool episodes
       and the loop's own fields (iterations, prompts_per_iteration, eval_every, out, seed, ...)
 
 Every leaf keeps one flat name (`--lr`, `{"rl_tau": ...}`; k2_train.config_tree). Names shared
@@ -91,12 +92,19 @@ class RewardConfig:
         10.0, "seconds one reward call may take (a code reward's sandbox run included)"
     )
     truncation_penalty: float = option(0.5, "subtracted from a cut response's reward")
+    length_reward_coef: float = option(
+        0.0,
+        "weight of Kimi K1.5's length reward (per group: correct get lambda, incorrect min(0, lambda)); 0 = off",
+    )
+    length_reward_warmup: int = option(0, "iterations without the length reward before it applies")
 
     def validate(self, where: str) -> None:
         from k2_rl.rewards.base import known_rewards, reward_known
 
         need = _needer(where, self)
         need(self.truncation_penalty >= 0, "truncation_penalty", ">= 0")
+        need(self.length_reward_coef >= 0, "length_reward_coef", ">= 0")
+        need(self.length_reward_warmup >= 0, "length_reward_warmup", ">= 0")
         need(self.reward_workers > 0, "reward_workers", "> 0")
         need(reward_known(self.reward), "reward", f"one of {', '.join(known_rewards())} or MODULE:NAME")
 
@@ -141,6 +149,41 @@ class RubricConfig:
 
 
 @dataclass
+class EpisodeConfig:
+    """Multi-turn episodes against a tool environment (`--env`; k2_rl.episodes, k2_rl.envs)."""
+
+    env: str | None = option(
+        None,
+        "tool environment for multi-turn episodes: kvstore, calculator, python or MODULE:NAME (None: single-turn)",
+    )
+    env_tasks: int = option(64, "tasks the environment generates when no --tasks file is given")
+    max_turns: int = option(
+        3, "assistant turns per episode; an episode still calling tools after them is cut"
+    )
+    max_episode_tokens: int = option(
+        512, "tokens an episode may add after its first prompt (sampled and tool turns); past it, cut"
+    )
+    env_timeout_s: float = option(
+        30.0,
+        "seconds one environment call (reset, step, score) may take before its episode ends with an error",
+    )
+    max_tool_result_chars: int = option(
+        1000, "a tool result longer than this is cut (with a note) before rendering"
+    )
+
+    def validate(self, where: str) -> None:
+        from k2_rl.envs import SHIPPED, env_known
+
+        need = _needer(where, self)
+        need(self.env is None or env_known(self.env), "env", f"one of {', '.join(SHIPPED)} or MODULE:NAME")
+        need(self.env_tasks > 0, "env_tasks", "> 0")
+        need(self.max_turns > 0, "max_turns", "> 0")
+        need(self.max_episode_tokens > 0, "max_episode_tokens", "> 0")
+        need(self.env_timeout_s > 0, "env_timeout_s", "> 0")
+        need(self.max_tool_result_chars > 0, "max_tool_result_chars", "> 0")
+
+
+@dataclass
 class LossConfig:
     """The objective: Kimi K1.5's (or clipped GRPO's, for comparison) and the PTX term."""
 
@@ -174,6 +217,7 @@ class RLConfig(RunConfig):
     )
     rollouts: RolloutConfig = option(default_factory=RolloutConfig, help="sampling and the rollout engine")
     objective: LossConfig = option(default_factory=LossConfig, help="the RL objective")
+    episodes: EpisodeConfig = option(default_factory=EpisodeConfig, help="multi-turn tool episodes (--env)")
     # optimizer steps on each iteration's rollouts, in micro-batches of whole prompts
     updates_per_iteration: int = option(1, "optimizer steps on each iteration's rollouts")
     micro_prompts: int = option(0, "prompts per micro-batch (0 = all)")
@@ -243,6 +287,7 @@ class RLConfig(RunConfig):
         need(self.threads >= 0, "threads", ">= 0 (0 = torch's default)")
         need(device_name_ok(self.device), "device", DEVICE_CHOICES)
         self.rewards.validate(where)
+        self.episodes.validate(where)
 
     # the field k2-train's Trainer reads
     @property
@@ -250,4 +295,12 @@ class RLConfig(RunConfig):
         return self.iterations * self.updates_per_iteration
 
 
-__all__ = ["LOSSES", "LossConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RubricConfig"]
+__all__ = [
+    "LOSSES",
+    "EpisodeConfig",
+    "LossConfig",
+    "RLConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "RubricConfig",
+]

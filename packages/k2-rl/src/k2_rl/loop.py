@@ -261,7 +261,22 @@ class _Loop:
             os.replace(tmp, run_dir / CONFIG)
 
         # tasks
-        if cfg.tasks is None:
+        self.env_maker = None
+        if cfg.episodes.env is not None:  # multi-turn episodes (k2_rl.episodes): the environment's tasks
+            from k2_rl.envs import get_env
+            from k2_rl.tasks import read_env_tasks
+
+            if info.enabled:
+                raise ValueError(
+                    "rl config: env: tool episodes run in one trainer process (not under torchrun)"
+                )
+            self.env_maker = get_env(cfg.episodes.env)
+            n_tasks, n_held = cfg.episodes.env_tasks, cfg.eval_prompts or 16
+            self.tasks = read_env_tasks(cfg.tasks) if cfg.tasks else self.env_maker.tasks(n_tasks, cfg.seed)
+            self.heldout = (
+                read_env_tasks(cfg.heldout) if cfg.heldout else self.env_maker.tasks(n_held, cfg.seed + 1)
+            )
+        elif cfg.tasks is None:
             data = run_dir / "data"
             if info.is_main and not (data / "rl.jsonl").is_file():
                 write_addition_dataset(data, seed=0)
@@ -273,7 +288,10 @@ class _Loop:
         else:
             self.tasks = read_tasks(cfg.tasks, cfg.rewards.reward)
             self.heldout = read_tasks(cfg.heldout, cfg.rewards.reward) if cfg.heldout else []
-        self._resolve_rewards()
+        if self.env_maker is None:
+            self._resolve_rewards()
+        else:  # the environment scores its episodes
+            self.group_names, self.response_names, self.group_rewards, self.critic = set(), [], {}, None
         # held-out accuracy is a verifier's: prompts scored by a group reward (a critic) are left out
         self.heldout = [t for t in self.heldout if self._reward_name(t) not in self.group_names]
         if cfg.eval_prompts:
@@ -287,6 +305,12 @@ class _Loop:
         self.pad_id = int(
             self.tok.pad_id if getattr(self.tok, "pad_id", None) is not None else self.tok.eos_id
         )
+        self.episodes = None
+        if self.env_maker is not None:
+            from k2_rl.episodes import EpisodeRunner
+
+            stops = sorted({self.tok.eos_id, self.tok.token_to_id("<|im_end|>")})
+            self.episodes = EpisodeRunner(cfg, self.tok, self.env_maker, stops, self.log)
         self.model = build_model(
             cfg.model, self.tok.vocab_size, self.device, cfg.seed
         )  # seeded init, then cfg.model.init's weights
@@ -474,6 +498,22 @@ class _Loop:
         shaped = [budget_penalty(r, cut, penalty) for r, cut in zip(raw, truncated)]
         return _Rewards(shaped, raw, errors, texts, grouped, metrics)
 
+    def _with_length_reward(self, scored: _Rewards, lengths: list[int], K: int, iteration: int) -> _Rewards:
+        """K1.5's length reward added to the shaped rewards (k2_rl.rewards.length), after its warm-up;
+        correct = a raw reward of 1."""
+        from k2_rl.rewards.length import add_length_reward, length_coef_at
+
+        rc = self.cfg.rewards
+        coef = length_coef_at(rc.length_reward_coef, rc.length_reward_warmup, iteration)
+        if not coef:
+            return scored
+        groups = [r // K for r in range(len(lengths))]
+        shaped, extra = add_length_reward(
+            scored.shaped, lengths, [r >= 1.0 for r in scored.raw], groups, coef
+        )
+        metrics = {**scored.metrics, "length_reward_mean": statistics.mean(extra)}
+        return scored._replace(shaped=shaped, metrics=metrics)
+
     def _refine_critic(self, tasks: list[dict], scored: _Rewards, iteration: int) -> dict[str, Any]:
         """The critic against the verifiable rewards of this iteration's verifiable prompts; the pairs
         it got wrong go to `critic_sft/iteration-N.jsonl` (chat JSONL for `k2 sft --data`)."""
@@ -501,6 +541,15 @@ class _Loop:
     def _evaluate(self) -> dict[str, float]:
         """Greedy held-out accuracy (every rank enters; rank 0's numbers, {} elsewhere)."""
         main = self.info.is_main
+        if self.episodes is not None:  # greedy episodes: strict success on the held-out tasks
+            eps = self.episodes.rollout(
+                self.engine.generate, self.heldout, 1, temperature=0.0, top_p=1.0, seed=0
+            )
+            return {
+                "heldout_accuracy": sum(e.success for e in eps) / len(eps),
+                "heldout_reward": statistics.mean(e.reward for e in eps),
+                "heldout_response_tokens": statistics.mean(e.policy_tokens for e in eps),
+            }
         prompts = [self.render(t["messages"]) for t in self.heldout] if main else []
         samples = self.engine.generate(
             prompts, n=1, temperature=0.0, max_tokens=self.cfg.rollouts.max_response_tokens, seed=0
@@ -527,7 +576,7 @@ class _Loop:
         )
         self._stop_set = set(self.engine.stop_ids)
         self.pool = None
-        if self.info.is_main:  # rewards are computed by rank 0 only
+        if self.info.is_main and self.episodes is None:  # rewards are computed by rank 0 only
             self.pool = RewardPool(
                 self.cfg.rewards.reward_workers,
                 timeout_s=self.cfg.rewards.reward_timeout_s,
@@ -549,6 +598,8 @@ class _Loop:
             if self.critic is not None:
                 self.critic.close()
             self.engine.close()
+            if self.env_maker is not None:
+                self.env_maker.close()
         try:
             return self._result()
         finally:
@@ -572,27 +623,50 @@ class _Loop:
             t_it = time.perf_counter()
             temperature = temperature_at(cfg, it)
             tasks = draw_prompts(self.tasks, cfg.prompts_per_iteration, cfg.seed, it) if main else []
-            prompt_ids = [self.render(t["messages"]) for t in tasks]
-            t0 = time.perf_counter()
-            samples = self.engine.generate(
-                prompt_ids,
-                n=K,
-                temperature=temperature,
-                top_p=cfg.rollouts.top_p,
-                max_tokens=cfg.rollouts.max_response_tokens,
-                seed=derive_seed(cfg.seed, "rollout", it),
-            )
-            rollout_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
             payload, scored, critic_row = None, None, {}
-            if main:
-                scored = self._rewards(tasks, samples, seed=derive_seed(cfg.seed, "critic", it))
-                critic_row = self._refine_critic(tasks, scored, it) if self.group_rewards else {}
-                payload = {
-                    "batch": build_batch(prompt_ids, samples, scored.shaped, self.pad_id),
-                    "engine_logp": torch.tensor([sum(s.logprobs) for g in samples for s in g]),
-                }
-            reward_s = time.perf_counter() - t0
+            if self.episodes is not None:  # multi-turn episodes: rollout and rewards in one (k2_rl.episodes)
+                t0 = time.perf_counter()
+                eb = self.episodes.iteration(
+                    self.engine.generate,
+                    tasks,
+                    K,
+                    temperature=temperature,
+                    top_p=cfg.rollouts.top_p,
+                    seed=derive_seed(cfg.seed, "rollout", it),
+                    iteration=it,
+                    pad_id=self.pad_id,
+                    out_dir=self.run_dir / "episodes",
+                )
+                rollout_s = eb.metrics["episode_rollout_s"]
+                reward_s = time.perf_counter() - t0 - rollout_s
+                scored = _Rewards(eb.shaped, eb.raw, eb.metrics["env_errors"], [], [], eb.metrics)
+                lengths = [e.policy_tokens for e in eb.episodes]
+                truncated = [e.truncated for e in eb.episodes]
+                payload = {"batch": eb.batch, "engine_logp": eb.engine_logp}
+            else:
+                prompt_ids = [self.render(t["messages"]) for t in tasks]
+                t0 = time.perf_counter()
+                samples = self.engine.generate(
+                    prompt_ids,
+                    n=K,
+                    temperature=temperature,
+                    top_p=cfg.rollouts.top_p,
+                    max_tokens=cfg.rollouts.max_response_tokens,
+                    seed=derive_seed(cfg.seed, "rollout", it),
+                )
+                rollout_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                lengths = [len(s.token_ids) for g in samples for s in g]
+                truncated = [s.finish_reason == "length" for g in samples for s in g]
+                if main:
+                    scored = self._rewards(tasks, samples, seed=derive_seed(cfg.seed, "critic", it))
+                    scored = self._with_length_reward(scored, lengths, K, it)
+                    critic_row = self._refine_critic(tasks, scored, it) if self.group_rewards else {}
+                    payload = {
+                        "batch": build_batch(prompt_ids, samples, scored.shaped, self.pad_id),
+                        "engine_logp": torch.tensor([sum(s.logprobs) for g in samples for s in g]),
+                    }
+                reward_s = time.perf_counter() - t0
             switch_row = self.engine.free_cache()
 
             t0 = time.perf_counter()
@@ -648,7 +722,6 @@ class _Loop:
                 evaluated = self._evaluate()
             if main:
                 rewards, raw = scored.shaped, scored.raw
-                lengths = [len(s.token_ids) for g in samples for s in g]
                 row = {
                     "iteration": done,
                     "step": self.trainer.step,
@@ -656,8 +729,7 @@ class _Loop:
                     "reward_std": statistics.pstdev(rewards),
                     "solve_rate": sum(r >= 1.0 for r in raw) / len(raw),
                     "response_tokens_mean": statistics.mean(lengths),
-                    "truncation_rate": sum(s.finish_reason == "length" for g in samples for s in g)
-                    / len(lengths),
+                    "truncation_rate": sum(truncated) / len(truncated),
                     "kl_estimate": kl / n_tok if kl is not None else None,
                     "logp_mismatch": mismatch / n_tok,
                     "temperature": temperature,

@@ -136,7 +136,29 @@ def read_tasks(path: str | Path, default_reward: str | None = None) -> list[dict
     return tasks
 
 
-__all__ = ["addition_problems", "read_tasks", "worked_solution", "write_addition_dataset"]
+def read_env_tasks(path: str | Path) -> list[dict]:
+    """Episode tasks of a JSONL file for `--env`: each needs `messages`; the environment checks the
+    fields it scores against (`expected_state`, `answer`, `tests`, ...) when an episode starts."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such task file")
+    tasks = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}:{i}: invalid JSON ({e})") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("messages"), list):
+            raise ValueError(f"{path}:{i}: task record has no list field 'messages'")
+        tasks.append(rec)
+    if not tasks:
+        raise ValueError(f"{path}: no task records")
+    return tasks
+
+
+__all__ = ["addition_problems", "read_env_tasks", "read_tasks", "worked_solution", "write_addition_dataset"]
 
 
 def main(argv: list[str] | None = None) -> int:

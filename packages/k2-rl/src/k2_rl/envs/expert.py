@@ -1,0 +1,82 @@
+"""Expert episodes and task files for an environment: SFT data that teaches a policy the call format
+before RL, and the RL and held-out task files.
+
+    python -m k2_rl.envs.expert --env kvstore --out DIR [--sft 400 --tasks 64 --heldout 32 --seed 0]
+
+writes DIR/sft.jsonl (chat records `{messages, tools}` for `k2 sft --data`), DIR/tasks.jsonl and
+DIR/heldout.jsonl (for `k2 rl --env NAME --tasks ... --heldout ...`), each from its own seed. An
+expert episode makes the task's `expert_calls` (else its `expected_calls`) one per assistant turn,
+through the environment itself (the tool turns hold the environment's real results), then answers
+`expert_answer`; a record is kept only when the environment scores it a strict success.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def expert_episode(maker: Any, task: dict) -> dict | None:
+    """The expert's conversation `{messages, tools}` for `task`, or None when it does not succeed."""
+    env = maker()
+    try:
+        messages, tools = env.reset(task)
+        messages = list(messages)
+        for i, c in enumerate(task.get("expert_calls") or task.get("expected_calls") or []):
+            call = {
+                "id": f"functions.{c['name']}:{i}",
+                "type": "function",
+                "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)},
+            }
+            (result,) = env.step([call]).results
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            messages.append(
+                {"role": "tool", "tool_call_id": call["id"], "name": c["name"], "content": result}
+            )
+        answer = str(task.get("expert_answer", ""))
+        messages.append({"role": "assistant", "content": answer})
+        return {"messages": messages, "tools": tools} if env.score(answer).success else None
+    finally:
+        env.close()
+
+
+def _write(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    tmp.replace(path)
+
+
+def write_env_data(
+    env: str, out: str | Path, sft: int, tasks: int, heldout: int, seed: int = 0
+) -> dict[str, int]:
+    from k2_rl.envs import get_env
+
+    out, maker = Path(out), get_env(env)
+    try:
+        records = [r for t in maker.tasks(sft, seed + 1000) if (r := expert_episode(maker, t)) is not None]
+        _write(out / "sft.jsonl", records)
+        _write(out / "tasks.jsonl", maker.tasks(tasks, seed))
+        _write(out / "heldout.jsonl", maker.tasks(heldout, seed + 1))
+    finally:
+        maker.close()
+    return {"sft": len(records), "tasks": tasks, "heldout": heldout}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m k2_rl.envs.expert", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--env", required=True, help="kvstore, calculator or python")
+    ap.add_argument("--out", required=True, help="directory for sft.jsonl, tasks.jsonl, heldout.jsonl")
+    ap.add_argument("--sft", type=int, default=400, help="expert episodes to generate")
+    ap.add_argument("--tasks", type=int, default=64, help="RL tasks")
+    ap.add_argument("--heldout", type=int, default=32, help="held-out tasks")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    n = write_env_data(a.env, a.out, a.sft, a.tasks, a.heldout, a.seed)
+    print(f"{a.out}: {n['sft']} expert episodes, {n['tasks']} tasks, {n['heldout']} held-out tasks ({a.env})")
+
+
+if __name__ == "__main__":
+    main()
