@@ -50,7 +50,10 @@ class RolloutConfig:
     temperature_end: float = option(1.0, "rollout temperature at the last iteration (linear decay)")
     top_p: float = option(1.0, "rollout nucleus-sampling threshold (1 = off)")
     rollout: str = option(
-        "process", "process (a rollout worker synced through k2-ckpt) or inprocess", choices=ROLLOUTS
+        "process",
+        "process (a rollout worker synced through k2-ckpt), inprocess, or vllm (a vLLM server from "
+        "$K2_VLLM_PYTHON, default .venv-vllm, synced through k2-ckpt: docs/vllm.md)",
+        choices=ROLLOUTS,
     )
     # engine switching: the rollout engine frees its KV pool while the trainer runs (colocation on
     # one device, as K2 does); "auto" = when the policy is on a GPU, "on", "off"
