@@ -499,7 +499,7 @@ def test_k2_rl_rolls_out_on_vllm_with_the_pushed_policy(tmp_path, monkeypatch):
     if why := _why_not_runnable():
         pytest.skip(why)
     monkeypatch.setenv("K2_VLLM_PYTHON", str(VENV / "bin" / "python"))
-    cfg = RLConfig(
+    cfg = RLConfig.flat(
         preset="tiny-vllm", rollout="vllm", iterations=2, prompts_per_iteration=4, samples_per_prompt=4,
         max_response_tokens=8, eval_every=0, save_every=0, micro_prompts=2, updates_per_iteration=1,
         reward_workers=1, threads=1, out=str(tmp_path / "rl"),

@@ -71,7 +71,7 @@ class PolicyEngine:
             engine_model = copy.deepcopy(self.model).eval()
             self.rollout = Rollout(engine_model, self.stop_ids, max_batch_size=64, seed=cfg.seed)
             return
-        if cfg.rollout == "vllm":
+        if cfg.rollouts.rollout == "vllm":
             self._start_vllm()
             return
         init_dir = self.run_dir / "rollout-init"  # the architecture and tokenizer the worker starts from
@@ -151,7 +151,7 @@ class PolicyEngine:
             target = self.rollout.model
             self.rollout.thread.call_between_steps(lambda: target.load_state_dict(named)).result()
             return time.perf_counter() - t0
-        if self.cfg.rollout == "vllm":  # the export's names (experts one by one), as vLLM loaded them
+        if self.cfg.rollouts.rollout == "vllm":  # the export's names (experts one by one), as vLLM loaded them
             from k2_rl.vllm_rollout import hf_named
 
             named = hf_named(named)

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from k2_data import lifetime
 
 from k2_rl.rollout import Sample
 
@@ -149,6 +150,9 @@ class VllmServer:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
+        # its own session (close() stops the whole tree), recorded by this process's watchdog, so
+        # vLLM and its engine processes die with the trainer, kill -9 included (k2_data.lifetime)
+        lifetime.adopt()
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout_s
         while True:
