@@ -288,13 +288,13 @@ def engine_integrations(rank: int, world: int) -> dict:
         "vllm",
         "vllm.model_executor",
         "vllm.model_executor.model_loader",
-        "vllm.model_executor.model_loader.utils",
+        "vllm.model_executor.model_loader.reload",
     ]
     for m in mods:
         sys.modules[m] = types.ModuleType(m)
-    sys.modules[mods[-1]].process_weights_after_loading = lambda model, cfg, dev: calls.append(
-        (cfg, str(dev))
-    )
+    # vLLM's layerwise reload, around the model's load_weights
+    sys.modules[mods[-1]].initialize_layerwise_reload = lambda model: calls.append("initialize")
+    sys.modules[mods[-1]].finalize_layerwise_reload = lambda model, cfg: calls.append(("finalize", cfg.tag))
 
     class FakeModel(nn.Module):  # an engine model: load_weights takes (name, tensor) pairs
         def __init__(self):
@@ -307,6 +307,7 @@ def engine_integrations(rank: int, world: int) -> dict:
             for name, t in weights:
                 self.seen.append(name)
                 getattr(self, name.split(".")[-1]).data.copy_(t)
+            return {name.split(".")[-1] for name in self.seen}
 
     new = {
         "model.w": make_tensor("model.w", "bfloat16", [64, 32], 3),
@@ -316,8 +317,15 @@ def engine_integrations(rank: int, world: int) -> dict:
     ps.register_checkpoint("c", named_tensors=new)
     out = {}
 
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    served = tempfile.mkdtemp()  # the checkpoint vLLM was started from: updates are checked against it
+    save_file({k: torch.zeros_like(v) for k, v in new.items()}, f"{served}/model.safetensors")
     vworker = VllmWorkerExtension()
-    vworker.device, vworker.model_config = torch.device("cpu"), "model-config"
+    vworker.device = torch.device("cpu")
+    vworker.model_config = types.SimpleNamespace(model=served, tag="model-config")
     vworker.model_runner = types.SimpleNamespace(model=FakeModel())
     ps.update("c", lambda h: vworker.update_weights_from_ipc(h))
     m = vworker.model_runner.model

@@ -59,7 +59,7 @@ def test_failures_are_reported_and_never_mix_weights(tmp_path):
 
 def test_vllm_extension_and_sglang_path_load_through_engine_load_weights():
     (r,) = run_world(1, S.engine_integrations, (), timeout_s=90)
-    assert r["vllm_equal"] and r["vllm_post_hook"] == [("model-config", "cpu")]
+    assert r["vllm_equal"] and r["vllm_post_hook"] == ["initialize", ("finalize", "model-config")]
     assert r["sglang_equal"] and r["sglang_seen"] == ["model.b", "model.w"]
 
 
