@@ -421,6 +421,38 @@ def test_env_run_stopped_and_resumed_matches_an_uninterrupted_one(tmp_path):
         ).read_text()
 
 
+def test_env_run_with_the_grpo_objective_and_several_updates(tmp_path):
+    """The clipped objective over whole episodes: per-token old log-probs on the masked rows."""
+    run_rl_quiet(_run_cfg(tmp_path, "grpo", loss="grpo", updates_per_iteration=2, iterations=1))
+    rows = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r and "reward_mean" not in r]
+    assert len(steps) == 2 and all(r["loss"] == r["loss"] for r in steps)
+
+
+def test_single_turn_run_logs_the_length_reward(tmp_path):
+    from k2_model.testing import SMALL_OVERRIDES
+
+    cfg = RLConfig.flat(
+        model_overrides=SMALL_OVERRIDES,
+        iterations=2,
+        prompts_per_iteration=2,
+        samples_per_prompt=4,
+        max_response_tokens=8,
+        eval_every=0,
+        save_every=0,
+        reward_workers=1,
+        threads=1,
+        rollout="inprocess",
+        length_reward_coef=0.1,
+        length_reward_warmup=1,
+        out=str(tmp_path / "st"),
+    )
+    run_rl_quiet(cfg)
+    its = [json.loads(x) for x in (tmp_path / "st" / "metrics.jsonl").read_text().splitlines()]
+    its = [r for r in its if "reward_mean" in r]
+    assert "length_reward_mean" not in its[0] and "length_reward_mean" in its[1]  # after the warm-up
+
+
 def run_rl_quiet(cfg, resume=False):
     from k2_rl.loop import run_rl
 
@@ -470,3 +502,63 @@ def test_env_config_errors_name_the_field():
         RLConfig.flat(env="nope").validate()
     with pytest.raises(ValueError, match="max_turns"):
         RLConfig.flat(env="kvstore", max_turns=0).validate()
+
+
+@pytest.mark.slow  # three real `k2 rl --env calculator` processes, each with the MCP server as a child
+def test_sigkill_of_an_env_run_kills_the_mcp_server_and_resumes_exactly(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from k2_data import lifetime
+    from k2_train.state import latest_state
+
+    def cfg_file(name: str) -> Path:
+        cfg = _run_cfg(tmp_path, name, env="calculator", iterations=3, save_every=1, kl_every=0)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(cfg.to_dict()))
+        return path
+
+    def k2(*args: str) -> subprocess.Popen:
+        env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
+        return subprocess.Popen(
+            [sys.executable, "-m", "k2_stack", "rl", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+
+    full = k2("--config", str(cfg_file("full")))
+    assert full.wait(timeout=600) == 0
+    proc = k2("--config", str(cfg_file("part")))
+    try:
+        deadline = time.monotonic() + 300
+        while latest_state(tmp_path / "part") is None:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        tree = lifetime.descendants(proc.pid)
+        cmds = [Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode() for p in tree]
+        assert any("servers.calculator" in c for c in cmds), cmds
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + lifetime.GRACE_S + 5
+        while (
+            left := {p: s for p, s in tree.items() if lifetime.alive(p, s)}
+        ) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert left == {}  # the MCP server and the rollout worker died with the run
+    finally:
+        proc.kill()
+        proc.wait()
+    resumed = k2("--resume", str(tmp_path / "part"))
+    assert resumed.wait(timeout=600) == 0
+
+    def key(name):
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [(r.get("iteration"), r.get("step"), r.get("loss"), r.get("reward_mean")) for r in rows]
+
+    assert key("part") == key("full")
+    for it in (1, 2, 3):
+        name = f"episodes/iteration-{it:06d}.jsonl"
+        assert (tmp_path / "part" / name).read_text() == (tmp_path / "full" / name).read_text()
