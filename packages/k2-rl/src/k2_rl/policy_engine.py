@@ -151,7 +151,9 @@ class PolicyEngine:
             target = self.rollout.model
             self.rollout.thread.call_between_steps(lambda: target.load_state_dict(named)).result()
             return time.perf_counter() - t0
-        if self.cfg.rollouts.rollout == "vllm":  # the export's names (experts one by one), as vLLM loaded them
+        if (
+            self.cfg.rollouts.rollout == "vllm"
+        ):  # the export's names (experts one by one), as vLLM loaded them
             from k2_rl.vllm_rollout import hf_named
 
             named = hf_named(named)
