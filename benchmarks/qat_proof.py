@@ -155,11 +155,17 @@ def main() -> None:
         print(f"| {name} | " + " | ".join(cells) + " |")
     loss = {k: statistics.mean(v["eval_loss"]) for k, v in results.items()}
     gap = loss["PTQ"] - loss["FP"]
-    closed = (loss["PTQ"] - loss["QAT"]) / gap if gap else float("nan")
     noise = spread(results["FP"]["eval_loss"])
-    print(
-        f"\nPTQ gap (eval loss) {gap:+.4f} against the FP seed spread {noise:.4f}; QAT closes {closed:.0%} of it"
-    )
+    closed = (loss["PTQ"] - loss["QAT"]) / gap if gap > 0 else float("nan")
+    if gap > noise and len(args.seeds) > 1:
+        print(
+            f"\nPTQ gap (eval loss) {gap:+.4f} > the FP seed spread {noise:.4f}; QAT closes {closed:.0%} of it"
+        )
+    else:
+        print(
+            f"\nPTQ gap (eval loss) {gap:+.4f}, FP seed spread {noise:.4f} ({len(args.seeds)} seed(s)): no gap "
+            "beyond the seed noise to close; INT4 with these groups costs nothing measurable at this scale"
+        )
     (args.out / "qat_proof.json").write_text(
         json.dumps({"results": results, "gap": gap, "closed": closed}, indent=2)
     )
