@@ -108,15 +108,22 @@ def test_sigkill_of_k2_rl_leaves_no_process_and_no_port(tmp_path):
         assert left == {}, _cmdlines(left)
         assert not port_in_use(port)
 
-        # the resumed run starts a worker on a fresh port and runs on to its stop point
-        resumed = _k2("rl", "--resume", str(tmp_path / "run"), "--stop-at", "2")
+        # the resumed run starts a worker on a fresh port and runs on to a stop point one iteration
+        # past what the killed run logged (iterations are fast: it may have done several)
+        logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        stop = max(r["iteration"] for r in logged if "reward_mean" in r) + 1
+        resumed = _k2("rl", "--resume", str(tmp_path / "run"), "--stop-at", str(stop))
         text = resumed.communicate(timeout=600)[0]
         assert resumed.returncode == 0, text[-3000:]
         ports = re.findall(r"rollout worker: pid \d+ at http://127\.0\.0\.1:(\d+)", text)
-        assert len(ports) == 1 and "rl iteration 2/" in text
+        assert len(ports) == 1 and f"rl iteration {stop}/" in text
         assert not port_in_use(int(ports[0]))  # and closes it when it ends
         rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-        assert [r["iteration"] for r in rows if "reward_mean" in r] == [1, 2]
+        assert [r["iteration"] for r in rows if "reward_mean" in r] == list(range(1, stop + 1))
+        # a stop point the run has passed is refused, not run past
+        again = _k2("rl", "--resume", str(tmp_path / "run"), "--stop-at", str(stop))
+        text = again.communicate(timeout=600)[0]
+        assert again.returncode == 2 and f"--stop-at {stop}: the run in" in text, text[-2000:]
     finally:
         proc.kill()
         proc.wait()

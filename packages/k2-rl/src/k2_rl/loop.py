@@ -366,6 +366,12 @@ class _Loop:
         )
         if self.resume:
             self.state.load()
+            done = self.it_state.iteration
+            if cfg.stop_at and cfg.stop_at <= done:  # it would never be reached: the run would go on
+                raise ValueError(
+                    f"--stop-at {cfg.stop_at}: the run in {run_dir} has done {done} iterations already; "
+                    f"give a later one (or none, to run to --iterations {cfg.iterations})"
+                )
         if info.is_main and not (run_dir / "tokenizer").exists():
             self.tok.save(run_dir / "tokenizer")
         if self.metrics is not None:
