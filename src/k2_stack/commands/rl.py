@@ -37,6 +37,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue the run in RUN_DIR exactly")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     add_config_flags(p, RLConfig)  # one flag per RLConfig field, help from the field
+    from k2_rl.config import ROLLOUTS
+
+    # the name vLLM users look for; the same field as --rollout
+    rollout = next(a for a in p._actions if a.dest == "rollout")
+    p.add_argument(
+        "--rollout-engine",
+        dest="rollout",
+        choices=ROLLOUTS,
+        default=None,
+        help=f"{rollout.help}; the same as --rollout",
+    )
     p.set_defaults(func=run)
 
 
