@@ -264,6 +264,8 @@ class _Broken:
             def reset(self, task):
                 if maker.how == "reset":
                     raise RuntimeError("reset exploded")
+                if maker.how == "reset_none":
+                    return None
                 return task["messages"], []
 
             def step(self, calls):
@@ -292,7 +294,7 @@ class _Broken:
         pass
 
 
-@pytest.mark.parametrize("how", ["raise", "hang", "malformed", "reset", "score"])
+@pytest.mark.parametrize("how", ["raise", "hang", "malformed", "reset", "reset_none", "score"])
 def test_a_failing_environment_ends_its_episode_with_zero_reward(how):
     engine = ScriptedEngine(
         lambda text, turn, _k: (
@@ -310,11 +312,11 @@ def test_a_failing_environment_ends_its_episode_with_zero_reward(how):
     eb = runner.iteration(engine, tasks, 2, temperature=1.0, top_p=1.0, seed=0, iteration=0, pad_id=0)
     assert time.perf_counter() - t0 < 10  # a hung step is given up on, not waited for
     failed = [e for e in eb.episodes if e.finish == "error"]
-    n_failed = 4 if how in ("reset", "score") else 2
+    n_failed = 4 if how in ("reset", "reset_none", "score") else 2
     assert len(failed) == n_failed and all(e.reward == 0.0 and not e.success for e in failed)
     assert eb.metrics["env_errors"] == n_failed and eb.metrics["env_error_first"]
     assert all(eb.shaped[i] == 0.0 for i, e in enumerate(eb.episodes) if e.finish == "error")
-    if how not in ("reset", "score"):
+    if how not in ("reset", "reset_none", "score"):
         assert [e.success for e in eb.episodes[2:]] == [True, True]  # the other task's episodes went on
 
 

@@ -224,8 +224,12 @@ class EpisodeRunner:
             return
         # the rendered tool turns + the next generation prompt: the suffix of the full rendering after
         # the conversation up to this assistant turn (both start with a marker, so encoding splits there)
-        base = self._render(e.messages[: -len(calls)], e.tools, gen=False)
-        full = self._render(e.messages, e.tools, gen=True)
+        try:
+            base = self._render(e.messages[: -len(calls)], e.tools, gen=False)
+            full = self._render(e.messages, e.tools, gen=True)
+        except ValueError as err:  # e.g. tools from the environment the renderer refuses
+            self._fail(e, EnvFailure(f"render: {err}"))
+            return
         tool_ids = full[len(base) :]
         if len(e.ids) + len(tool_ids) >= budget:
             e.finish = "tokens"
@@ -257,7 +261,7 @@ class EpisodeRunner:
                     )
                     e.messages, e.tools = list(e.messages), list(e.tools or [])
                     e.prompt_ids = self._render(e.messages, e.tools, gen=True)
-                except (EnvFailure, ValueError) as err:
+                except (EnvFailure, ValueError, TypeError) as err:  # TypeError: not (messages, tools)
                     self._fail(e, err)  # still a row of its group (reward 0); its prompt a stand-in
                     e.prompt_ids = self._render([{"role": "user", "content": ""}], [], True)
                 eps.append(e)
