@@ -119,6 +119,10 @@ def test_cli_resume_and_errors(tmp_path, corpus, capsys):
     assert main(["pretrain", "--resume", str(tmp_path / "run"), "--stop-at", "3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["steps_done"] == 3 and out["interrupted"]
+    # a stop point the run has passed would never be reached: refused, not run to the end
+    assert main(["pretrain", "--resume", str(tmp_path / "run"), "--stop-at", "3", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert "--stop-at 3" in captured.out + captured.err
     assert main(["pretrain", "--resume", str(tmp_path / "run"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["steps_done"] == 4 and not out["interrupted"]

@@ -175,6 +175,11 @@ def _run(
     )
     if resume:
         state.load()
+        if cfg.stop_at and cfg.stop_at <= trainer.step:  # never reached: the run would go on to the end
+            raise ValueError(
+                f"--stop-at {cfg.stop_at}: the run in {run_dir} has done {trainer.step} steps already; "
+                f"give a later one (or none, to run to --steps {cfg.steps})"
+            )
 
     n_params = sum(p.numel() for p in model.parameters())
     log(
