@@ -165,8 +165,8 @@ def test_composed_configs_keep_every_default_and_their_flat_file_form(command):
     before = DEFAULTS_BEFORE[command]
     assert {k: now[k] for k in before} == before  # SFT's seq_len 1024, RL's lr 2e-4, ... kept
     # fields added since, each defaulting to the old behaviour: pretraining's --init (ModelSpec's),
-    # --qat (INT4 quantisation-aware training, off by default)
-    assert set(now) - set(before) <= {"init", "qat"}
+    # --qat (INT4 quantisation-aware training, off by default), RL's --routing-replay (off)
+    assert set(now) - set(before) <= {"init", "qat", "routing_replay"}
     assert cls.from_dict(before) == cls()  # a stored flat config.json loads
 
 

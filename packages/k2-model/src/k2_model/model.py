@@ -289,6 +289,7 @@ class DecoderLayer(nn.Module):
         sin: Tensor,
         mask_BSL: Tensor | None,
         segments: PackedSegments | None = None,
+        recorded_BSK: Tensor | None = None,
     ) -> Tensor:
         if self.activation_checkpointing and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
@@ -300,10 +301,11 @@ class DecoderLayer(nn.Module):
                 sin,
                 mask_BSL,
                 segments,
+                recorded_BSK,
                 use_reentrant=False,
                 context_fn=self._recompute_contexts,
             )
-        return self._forward(x_BSD, cos, sin, mask_BSL, segments)
+        return self._forward(x_BSD, cos, sin, mask_BSL, segments, recorded_BSK)
 
     def _forward(
         self,
@@ -312,8 +314,11 @@ class DecoderLayer(nn.Module):
         sin: Tensor,
         mask_BSL: Tensor | None,
         segments: PackedSegments | None,
+        recorded_BSK: Tensor | None = None,
     ) -> Tensor:
         x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos, sin, mask_BSL, segments)
+        if recorded_BSK is not None and isinstance(self.mlp, MoE):
+            return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD), recorded_BSK)
         return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
 
     def _recompute_contexts(
@@ -321,7 +326,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """(forward, recompute) contexts of the checkpointed layer. The recompute runs in training
         mode, so the router would count its tokens into the expert loads a second time; the
-        recompute context restores the loads. (The max logits it re-records are the same values,
+        recompute context restores the loads (and the routing-mismatch counts). (The max logits it re-records are the same values,
         and a max is unchanged by a repeat.)"""
         return contextlib.nullcontext(), _keep_expert_loads(
             self.mlp.gate if isinstance(self.mlp, MoE) else None
@@ -330,12 +335,14 @@ class DecoderLayer(nn.Module):
 
 @contextlib.contextmanager
 def _keep_expert_loads(router: Router | None):
-    saved = None if router is None else router.expert_load.clone()
+    """Undo what a recompute adds to the router's counts (expert loads, routing mismatch)."""
+    saved = None if router is None else (router.expert_load.clone(), router.route_mismatch.clone())
     try:
         yield
     finally:
         if router is not None:
-            router.expert_load.copy_(saved)
+            router.expert_load.copy_(saved[0])
+            router.route_mismatch.copy_(saved[1])
 
 
 class K2Model(nn.Module):
@@ -359,9 +366,17 @@ class K2Model(nn.Module):
         position_ids_BS: Tensor | None = None,
         attention_mask_BS: Tensor | None = None,
         document_ids_BS: Tensor | None = None,
+        routed_experts_BSLK: Tensor | None = None,
     ) -> Tensor:
         B, S = input_ids_BS.shape
         device = input_ids_BS.device
+        moe_index = [i for i, layer in enumerate(self.layers) if isinstance(layer.mlp, MoE)]
+
+        def recorded(i: int) -> Tensor | None:  # layer i's recorded experts [B, S, K], if any
+            if routed_experts_BSLK is None or i not in moe_index:
+                return None
+            return routed_experts_BSLK[:, :, moe_index.index(i)]
+
         if position_ids_BS is None:
             position_ids_BS = torch.arange(S, device=device).unsqueeze(0).expand(B, S)
         cos, sin = rope_cos_sin(self.rope_inv_freq, position_ids_BS, self.rope_attention_factor)
@@ -379,8 +394,8 @@ class K2Model(nn.Module):
                 )
             mask_BSL = attention_mask_BS.bool() | torch.eye(S, dtype=torch.bool, device=device)
             h_BSD = self.embed_tokens(input_ids_BS)
-            for layer in self.layers:
-                h_BSD = layer(h_BSD, cos, sin, mask_BSL, None)
+            for i, layer in enumerate(self.layers):
+                h_BSD = layer(h_BSD, cos, sin, mask_BSL, None, recorded(i))
             return self.norm(h_BSD)
         if document_ids_BS is not None and attention_mask_BS is None:
             segments = PackedSegments.from_document_ids(document_ids_BS)
@@ -390,8 +405,8 @@ class K2Model(nn.Module):
         if segments is None or not all(layer.self_attn.uses_fused(device) for layer in self.layers):
             mask_BSL = build_attention_mask(S, device, attention_mask_BS, document_ids_BS)
         h_BSD = self.embed_tokens(input_ids_BS)
-        for layer in self.layers:
-            h_BSD = layer(h_BSD, cos, sin, mask_BSL, segments)
+        for i, layer in enumerate(self.layers):
+            h_BSD = layer(h_BSD, cos, sin, mask_BSL, segments, recorded(i))
         return self.norm(h_BSD)
 
 
@@ -469,6 +484,7 @@ class K2ForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Router):
                 m.expert_load.zero_()
+                m.route_mismatch.zero_()
             elif isinstance(m, MLAttention):
                 m.max_logits_H.fill_(-math.inf)
 
@@ -483,6 +499,26 @@ class K2ForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, RoutedExperts):
                 m.qat_group_size = group_size
+
+    def set_routing_replay(self, enabled: bool) -> None:
+        """Route every MoE layer by the experts passed as `routed_experts` (where a token has a
+        record) instead of its own top-k: the trainer then runs exactly the experts the rollout
+        engine ran. Gradients reach the gate through the chosen experts' weights as usual."""
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.replay_routing = bool(enabled)
+
+    def routing_mismatch(self) -> Tensor:
+        """float32 [num_moe_layers, 2]: (tokens whose top-k set differed from `routed_experts`,
+        tokens with a record) per MoE layer, over the forwards since `reset_routing_mismatch()`."""
+        routers = self.moe_routers()
+        if not routers:
+            return torch.zeros(0, 2)
+        return torch.stack([r.route_mismatch for r in routers])
+
+    def reset_routing_mismatch(self) -> None:
+        for r in self.moe_routers():
+            r.route_mismatch.zero_()
 
     def set_attention_impl(self, impl: str) -> None:
         if impl not in ("auto", "fused", "sdpa", "eager"):
@@ -501,6 +537,7 @@ class K2ForCausalLM(nn.Module):
         document_ids: Tensor | None = None,
         shift_labels: Tensor | None = None,
         logits_mask: Tensor | None = None,
+        routed_experts: Tensor | None = None,
     ) -> K2CausalLMOutput:
         """Logits [B, S, N]; with targets, the mean next-token cross-entropy (ignore_index -100).
 
@@ -516,6 +553,10 @@ class K2ForCausalLM(nn.Module):
         the K kept positions in row-major order (and the loss, if any, is over those). SFT trains
         ~5% of its tokens, and the vocab projection with its softmax is a third of a small
         model's step: skipping the untrained positions saves it (HF's `logits_to_keep`, by mask).
+        `routed_experts` [B, S, num_moe_layers, K] int: the experts a rollout engine chose for each
+        token (-1 where it has none): every MoE layer counts where its own choice differs
+        (`routing_mismatch()`), and after `set_routing_replay(True)` routes by the record
+        (k2_model.routing).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
@@ -533,7 +574,14 @@ class K2ForCausalLM(nn.Module):
                 f"logits_mask must be a bool tensor shaped like input_ids {tuple(input_ids.shape)}, "
                 f"got {logits_mask.dtype} {tuple(logits_mask.shape)}"
             )
-        h_BSD = self.model(input_ids, position_ids, attention_mask, document_ids)
+        if routed_experts is not None:
+            want = (*input_ids.shape, len(self.moe_routers()), self.config.num_experts_per_tok)
+            if tuple(routed_experts.shape) != want:
+                raise ValueError(
+                    f"routed_experts must be [batch, seq, moe layers, experts per token] = {want}, "
+                    f"got {tuple(routed_experts.shape)}"
+                )
+        h_BSD = self.model(input_ids, position_ids, attention_mask, document_ids, routed_experts)
         loss = None
         if labels is not None:  # position t predicts labels[t + 1]
             shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]

@@ -51,10 +51,13 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
         # Tokens routed to each expert by training-mode forwards since the last bias update.
         self.register_buffer("expert_load", torch.zeros(E, dtype=torch.float32), persistent=False)
+        # Routing against a recorded one (k2_model.routing): [tokens whose top-k set differs from the
+        # record, tokens with a record] over the forwards since the last reset
+        self.register_buffer("route_mismatch", torch.zeros(2, dtype=torch.float32), persistent=False)
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         out = super()._apply(fn, recurse)
-        for name in ("e_score_correction_bias", "expert_load"):
+        for name in ("e_score_correction_bias", "expert_load", "route_mismatch"):
             buf = getattr(self, name)
             if buf.dtype != torch.float32:
                 setattr(self, name, buf.float())
@@ -117,8 +120,15 @@ class MoE(nn.Module):
             if config.n_shared_experts > 0
             else None
         )
+        # k2_model.routing: route by the experts recorded for the tokens, where a forward gets them
+        self.replay_routing = False
 
-    def forward(self, x_BSD: Tensor) -> Tensor:
+    def forward(
+        self, x_BSD: Tensor, recorded_TK: Tensor | None = None, return_routes: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """`recorded_TK`: the experts another engine chose for these tokens (int, -1 where it has no
+        record): the mismatch with this layer's own choice is counted, and with `replay_routing`
+        the recorded experts are used. `return_routes`: also return the experts used, [T, K]."""
         cfg = self.config
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         logits_TE = self.gate(x_TD)
@@ -131,6 +141,8 @@ class MoE(nn.Module):
             float(cfg.routed_scaling_factor),
             cfg.norm_topk_prob,
         )
+        if recorded_TK is not None:
+            idx_TK, weight_TK = self._against_record(logits_TE, idx_TK, weight_TK, recorded_TK)
         x_ND, row_to_slot_N, counts_E, offsets_E = _kops.moe_permute(x_TD, idx_TK, cfg.n_routed_experts)
         if self.training:
             self.gate.expert_load += counts_E.to(torch.float32)
@@ -139,4 +151,24 @@ class MoE(nn.Module):
         out_BSD = out_TD.view_as(x_BSD)
         if self.shared_experts is not None:
             out_BSD = out_BSD + self.shared_experts(x_BSD)
-        return out_BSD
+        return (out_BSD, idx_TK) if return_routes else out_BSD
+
+    def _against_record(
+        self, logits_TE: Tensor, idx_TK: Tensor, weight_TK: Tensor, recorded_TK: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Count where this layer's top-k set differs from the record; with `replay_routing`, take
+        the recorded experts, weighted as the router weights any choice (the unbiased sigmoid scores
+        of the chosen experts, normalised, scaled), so gradients reach the gate as usual."""
+        cfg = self.config
+        rec_TK = recorded_TK.reshape(idx_TK.shape).to(device=idx_TK.device, dtype=torch.long)
+        has_T = (rec_TK >= 0).all(dim=-1)
+        differs_T = (idx_TK.sort(dim=-1).values != rec_TK.sort(dim=-1).values).any(dim=-1) & has_T
+        self.gate.route_mismatch += torch.stack([differs_T.sum(), has_T.sum()]).to(torch.float32)
+        if not self.replay_routing:
+            return idx_TK, weight_TK
+        idx_TK = torch.where(has_T.unsqueeze(-1), rec_TK, idx_TK)
+        w_TK = logits_TE.float().sigmoid().gather(1, idx_TK)
+        if cfg.norm_topk_prob:
+            w_TK = w_TK / (w_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        w_TK = w_TK * float(cfg.routed_scaling_factor)
+        return idx_TK, torch.where(has_T.unsqueeze(-1), w_TK.to(weight_TK.dtype), weight_TK)

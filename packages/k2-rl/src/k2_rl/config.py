@@ -62,6 +62,11 @@ class RolloutConfig:
         "engine switching: the rollout engine frees its KV pool while the trainer runs (auto = on a GPU; on; off)",
         choices=SWITCHES,
     )
+    routing_replay: bool = option(
+        False,
+        "MoE routing replay: the training forward routes each token to the experts the rollout engine "
+        "chose (the mismatch is logged either way as routing_mismatch; k2_rl.routing)",
+    )
     rollout_threads: int = option(0, "torch threads of the rollout worker (0 = torch's default)")
     rollout_port: int = option(
         0, "loopback port of the rollout worker's HTTP API (0 = a free port, fresh at every start and resume)"
@@ -79,6 +84,11 @@ class RolloutConfig:
         need(0 < self.top_p <= 1, "top_p", "in (0, 1]")
         need(self.rollout in ROLLOUTS, "rollout", " or ".join(ROLLOUTS))
         need(self.free_rollout_cache in SWITCHES, "free_rollout_cache", "auto, on or off")
+        need(
+            not (self.routing_replay and self.rollout == "vllm"),
+            "routing_replay",
+            "off with --rollout vllm (k2's engine records the routing; vLLM's capture is not wired yet)",
+        )
         need(self.rollout_threads >= 0, "rollout_threads", ">= 0 (0 = torch's default)")
         need(0 <= self.rollout_port <= 65535, "rollout_port", "0 (a free port) or a port in 1..65535")
 

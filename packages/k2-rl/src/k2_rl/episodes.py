@@ -45,6 +45,7 @@ import torch
 from k2_rl.rewards.base import budget_penalty
 from k2_rl.rewards.length import add_length_reward, length_coef_at
 from k2_rl.rollout import Sample, derive_seed
+from k2_rl.routing import routes_batch
 
 CALL_BEGIN = "<|tool_call_begin|>"
 
@@ -94,6 +95,7 @@ class Episode:
     ids: list[int] = field(default_factory=list)  # everything after it: sampled and tool tokens
     mask: list[int] = field(default_factory=list)  # 1 on sampled tokens
     logprobs: list[float] = field(default_factory=list)  # the engine's, of the sampled tokens
+    routes: torch.Tensor | None = None  # the last turn's record: every position's experts (k2_rl.routing)
     turns: int = 0
     calls: int = 0
     malformed_calls: int = 0  # call markup the parser dropped (no argument marker, bad JSON, ...)
@@ -186,6 +188,8 @@ class EpisodeRunner:
         e.mask += [1] * len(ids)
         e.logprobs += lps
         e.turns += 1
+        if s.routed_experts is not None:  # this turn's prompt was the whole episode so far
+            e.routes = s.routed_experts
         if cut:
             e.finish = "tokens"
             return
@@ -367,13 +371,17 @@ def episode_batch(eps: Sequence[Episode], rewards: Sequence[float], pad_id: int)
         m = torch.tensor(e.mask, dtype=torch.bool)
         if len(e.mask):
             labels[r, P - 1 : len(ids) - 1] = torch.where(m, t[P:], torch.full_like(t[P:], -100))
-    return {
+    batch = {
         "input_ids": input_ids,
         "shift_labels": labels,
         "group_ids": torch.tensor([e.task_index for e in eps], dtype=torch.long),
         "prompt_lens": torch.tensor([len(e.prompt_ids) for e in eps], dtype=torch.long),
         "rewards": torch.tensor(list(rewards), dtype=torch.float32),
     }
+    routes = routes_batch([e.routes for e in eps], L)
+    if routes is not None:
+        batch["routed_experts"] = routes
+    return batch
 
 
 def episode_metrics(eps: Sequence[Episode]) -> dict[str, Any]:

@@ -60,6 +60,7 @@ from k2_rl.loss import GRPOClippedLoss, KimiK15Loss, sequence_logprobs, token_lo
 from k2_rl.policy_engine import PolicyEngine
 from k2_rl.rewards.base import budget_penalty
 from k2_rl.rollout import Sample, derive_seed
+from k2_rl.routing import mismatch_metrics, routes_batch
 
 METRICS = "metrics.jsonl"
 CONFIG = "config.json"
@@ -124,7 +125,8 @@ def build_batch(
     pad_id: int,
 ) -> dict[str, torch.Tensor]:
     """One row per response: prompt + response tokens (right-padded), `shift_labels` on the
-    response's tokens only, `group_ids` (the prompt's index), `prompt_lens`, `rewards`."""
+    response's tokens only, `group_ids` (the prompt's index), `prompt_lens`, `rewards`; and
+    `routed_experts` where the engine recorded them (k2_rl.routing)."""
     rows = [
         (p, list(prompt_ids[p]) + list(s.token_ids), len(prompt_ids[p]))
         for p, group in enumerate(samples)
@@ -137,13 +139,17 @@ def build_batch(
         t = torch.tensor(ids, dtype=torch.long)
         input_ids[r, : len(ids)] = t
         labels[r, n_prompt - 1 : len(ids) - 1] = t[n_prompt:]  # position t predicts token t + 1
-    return {
+    batch = {
         "input_ids": input_ids,
         "shift_labels": labels,
         "group_ids": torch.tensor([p for p, _, _ in rows], dtype=torch.long),
         "prompt_lens": torch.tensor([n for _, _, n in rows], dtype=torch.long),
         "rewards": torch.tensor(list(rewards), dtype=torch.float32),
     }
+    routes = routes_batch([s.routed_experts for group in samples for s in group], L)
+    if routes is not None:
+        batch["routed_experts"] = routes
+    return batch
 
 
 @torch.no_grad()
@@ -315,6 +321,8 @@ class _Loop:
             cfg.model, self.tok.vocab_size, self.device, cfg.seed
         )  # seeded init, then cfg.model.init's weights
         self.model.train()
+        if cfg.rollouts.routing_replay:  # the trainer routes by the rollout engine's record
+            self.model.set_routing_replay(True)
         if info.enabled:
             from k2_model.parallelize import parallelize
 
@@ -683,10 +691,13 @@ class _Loop:
             engine_logp = self._my_rows(payload["engine_logp"]).to(self.device)
             chunk = self.rows_per_micro
             on_policy = cfg.updates_per_iteration == 1
+            self.model.reset_routing_mismatch()
+            routing_row: dict[str, float] = {}
             if on_policy:  # the one update's forward is pi_old's: the loss records logp_old
                 self.loss.recorded_logp_old.clear()
             else:
                 batch["logp_old"] = policy_logprobs(self.model, batch, chunk)
+                routing_row = self._routing_mismatch()  # pi_old's forward against the engine's
                 if cfg.objective.loss == "grpo":
                     batch["logp_old_tok"] = policy_logprobs(self.model, batch, chunk, per_token=True)
             step_rows = []
@@ -697,6 +708,8 @@ class _Loop:
                     ptx = self._ptx_batch(it * cfg.updates_per_iteration + u, n_rows)
                     train_batch.update({k: self._my_rows(v) for k, v in ptx.items()})
                 m = self.trainer.train_step(train_batch)
+                if on_policy:  # this forward was pi_old's: the same weights the engine sampled with
+                    routing_row = self._routing_mismatch()
                 row = m.row()
                 row["iteration"] = it + 1
                 self._write(row)
@@ -738,6 +751,7 @@ class _Loop:
                     "truncation_rate": sum(truncated) / len(truncated),
                     "kl_estimate": kl / n_tok if kl is not None else None,
                     "logp_mismatch": mismatch / n_tok,
+                    **routing_row,
                     "temperature": temperature,
                     "max_logit": max(
                         (r["max_logit"] for r in step_rows if r.get("max_logit") is not None), default=None
@@ -766,6 +780,17 @@ class _Loop:
                 self.state.save(self.trainer.step)
             if stop_here:
                 self.interrupted = True
+
+    def _routing_mismatch(self) -> dict[str, float]:
+        """The share of recorded tokens whose experts the trainer's forward chose differently from
+        the rollout engine (k2_rl.routing), summed over ranks, since the last reset; then reset."""
+        counts = self.model.routing_mismatch().to(self.device)
+        if self.info.enabled:
+            import torch.distributed as dist
+
+            dist.all_reduce(counts)
+        self.model.reset_routing_mismatch()
+        return mismatch_metrics(counts)
 
     def _my_rows(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a whole-iteration tensor: its P / world prompts' K responses each

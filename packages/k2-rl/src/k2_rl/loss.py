@@ -133,9 +133,8 @@ def token_logprobs(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     The batch follows k2's label convention: `shift_labels` are the next tokens, -100 outside the
     response. A batch that names its prompts (`prompt_lens`, `group_ids`, as `k2 rl` builds it) is
     run with one prompt pass per group (`k2_rl.shared_prompt`) when it can be."""
-    inputs = {
-        k: batch[k] for k in ("input_ids", "position_ids", "document_ids", "attention_mask") if k in batch
-    }
+    keys = ("input_ids", "position_ids", "document_ids", "attention_mask", "routed_experts")
+    inputs = {k: batch[k] for k in keys if k in batch}
     labels = batch["shift_labels"]
     response = labels != IGNORE_INDEX
     if takes_logits_mask(model) and packable(batch):  # one prompt pass for its K responses

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,9 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]  # raw-distribution log-prob of each sampled token (the engine's)
     finish_reason: str  # "stop" | "length" | "abort"
+    # the experts every forwarded position (prompt + response but its last token) was routed to,
+    # int16 [positions, MoE layers, K], where the engine records them (k2_rl.routing)
+    routed_experts: torch.Tensor | None = None
 
 
 def derive_seed(*parts: Any) -> int:
@@ -71,6 +74,7 @@ class Rollout:
             max_model_len=max_model_len,
             eos_token_ids=list(eos_token_ids),
             seed=seed,
+            record_routes=True,  # the routing-mismatch metric and --routing-replay (k2_rl.routing)
         )
         self.thread = EngineThread(self.engine)
 
@@ -105,7 +109,7 @@ class Rollout:
                 if item.finished:
                     c = item.completion
                     samples[item.index] = Sample(
-                        list(c.token_ids), list(c.logprobs), c.finish_reason or "stop"
+                        list(c.token_ids), list(c.logprobs), c.finish_reason or "stop", c.routed_experts
                     )
             out.append(samples)  # in sample order, whatever the order of completion
         return out
@@ -136,6 +140,21 @@ class GenerateRequest(BaseModel):
     seed: int = 0
 
 
+def _sample_json(s: Sample) -> dict:
+    from k2_rl.routing import encode_routes
+
+    return {
+        "token_ids": s.token_ids, "logprobs": s.logprobs, "finish_reason": s.finish_reason,
+        "routed_experts": encode_routes(s.routed_experts),
+    }  # fmt: skip
+
+
+def _sample_from_json(d: dict) -> Sample:
+    from k2_rl.routing import decode_routes
+
+    return Sample(**{**d, "routed_experts": decode_routes(d.get("routed_experts"))})
+
+
 def make_app(rollout: Rollout, rank: int = 0):
     from fastapi import FastAPI
     from k2_ckpt.api import make_receiver_app
@@ -153,7 +172,7 @@ def make_app(rollout: Rollout, rank: int = 0):
         t0 = time.perf_counter()
         samples = rollout.generate(req.prompts, req.n, req.temperature, req.top_p, req.max_tokens, req.seed)
         return {
-            "samples": [[asdict(s) for s in group] for group in samples],
+            "samples": [[_sample_json(s) for s in group] for group in samples],
             "seconds": time.perf_counter() - t0,
         }
 
@@ -245,7 +264,7 @@ class RolloutClient:
         r = self.http.post(self.url + "/generate", json=body)
         if r.status_code != 200:
             raise RuntimeError(f"rollout worker {self.url}/generate: HTTP {r.status_code}: {r.text[:500]}")
-        return [[Sample(**s) for s in group] for group in r.json()["samples"]]
+        return [[_sample_from_json(s) for s in group] for group in r.json()["samples"]]
 
     def free_cache_memory(self) -> int:
         """The worker releases its KV pool (engine switching); bytes freed."""

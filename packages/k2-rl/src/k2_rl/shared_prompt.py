@@ -79,6 +79,19 @@ class Packing:
         self.dst = (torch.tensor(dst_row, device=dev), torch.tensor(dst_pos, device=dev))
         self.labels = labels[self.dst]
         self.packed_len = S
+        # the rollout engine's routing (k2_rl.routing), moved with the tokens
+        self.routed_experts = None
+        if "routed_experts" in batch:
+            rec = batch["routed_experts"]
+            self.routed_experts = rec.new_full((G, S, *rec.shape[2:]), -1)
+            for g, rs in enumerate(self.groups):
+                P = prompt_lens[rs[0]]
+                self.routed_experts[g, :P] = rec[rs[0], :P]
+                at = P
+                for r in rs:
+                    n = resp_lens[r]
+                    self.routed_experts[g, at : at + n] = rec[r, P : P + n]
+                    at += n
 
 
 def packable(batch: dict[str, Tensor]) -> bool:
@@ -112,11 +125,13 @@ def shared_prompt_token_logprobs(model: nn.Module, batch: dict[str, Tensor], pad
     """`token_logprobs` of a packable batch with one prompt pass per group: [B, S] in the row
     layout, 0 outside the responses."""
     pk = Packing(batch, pad_id)
+    routes = {} if pk.routed_experts is None else {"routed_experts": pk.routed_experts}
     logits_KN = model(
         input_ids=pk.input_ids,
         position_ids=pk.position_ids,
         attention_mask=pk.attention_mask,
         logits_mask=pk.logits_mask,
+        **routes,
     ).logits.float()
     logp_KN = torch.log_softmax(logits_KN, dim=-1)
     values = logp_KN[pk.k_index, pk.labels]

@@ -50,6 +50,7 @@ class MLACache:
         block_size: int = 16,
         max_blocks: int = 1024,
         initial_blocks: int = 16,
+        routes: tuple[int, int] | None = None,
     ) -> None:
         if block_size <= 0 or max_blocks <= 0:
             raise ValueError(
@@ -66,6 +67,15 @@ class MLACache:
             self.row_size,
             dtype=dtype,
             device=self.device,
+        )
+        # routes=(MoE layers, experts per token): beside each cached row, the experts its token was
+        # routed to in every MoE layer (int16), so a finished sample reports the routing of every
+        # position, prefix-cache hits included (RL's routing replay, k2_model.routing)
+        self.routes_shape = routes
+        self.routes_BbLK = (
+            None
+            if routes is None
+            else torch.full((self.num_blocks, block_size, *routes), -1, dtype=torch.int16, device=self.device)
         )
         self.refs: list[int] = [0] * self.num_blocks
         self._free: list[int] = list(reversed(range(self.num_blocks)))  # never indexed (or forgotten)
@@ -115,6 +125,10 @@ class MLACache:
         )
         grown[:, :old] = self.kv_LyBbK
         self.kv_LyBbK = grown
+        if self.routes_BbLK is not None:
+            routes = self.routes_BbLK.new_full((new, *self.routes_BbLK.shape[1:]), -1)
+            routes[:old] = self.routes_BbLK
+            self.routes_BbLK = routes
         self.refs += [0] * (new - old)
         self._free = list(reversed(range(old, new))) + self._free
 
@@ -187,6 +201,8 @@ class MLACache:
         freed = self.allocated_bytes()
         self.flush_prefix()
         self.kv_LyBbK = self.kv_LyBbK.new_zeros(self.num_layers, 0, self.block_size, self.row_size)
+        if self.routes_BbLK is not None:
+            self.routes_BbLK = self.routes_BbLK[:0].clone()
         self.refs, self._free = [], []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # back to the device, not just to torch's caching allocator
@@ -213,3 +229,18 @@ class MLACache:
     def copy_block(self, src: int, dst: int, rows: int) -> None:
         """Copy the first `rows` rows of block `src` into `dst` in every layer (a partial block forked)."""
         self.kv_LyBbK[:, dst, :rows] = self.kv_LyBbK[:, src, :rows]
+        if self.routes_BbLK is not None:
+            self.routes_BbLK[dst, :rows] = self.routes_BbLK[src, :rows]
+
+    # ------------------------------------------------------------------ routes (when recorded)
+    def write_routes(self, block_n: Tensor, offset_n: Tensor, routes_nLK: Tensor) -> None:
+        """Store the experts each token was routed to, `[n, MoE layers, K]`, beside its rows."""
+        self.routes_BbLK[block_n, offset_n] = routes_nLK.to(torch.int16)
+
+    def read_routes(self, table: Sequence[int], length: int) -> Tensor:
+        """The recorded experts of positions 0..length-1 of a sequence, `[length, MoE layers, K]`."""
+        if length <= 0:
+            return self.routes_BbLK.new_empty((0, *self.routes_BbLK.shape[2:]))
+        blocks = torch.tensor(list(table[: self.blocks_for(length)]), dtype=torch.long, device=self.device)
+        rows = self.routes_BbLK.index_select(0, blocks)
+        return rows.reshape(-1, *rows.shape[2:])[:length].clone()

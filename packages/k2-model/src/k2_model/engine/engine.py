@@ -64,6 +64,9 @@ class Completion:
     index: int = 0  # the sample's index among the request's n
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # why a logits processor aborted it
+    # Engine(record_routes=True): the experts each forwarded position (prompt, then every generated
+    # token but the last) was routed to, int16 [positions, MoE layers, K]; set when it finishes
+    routed_experts: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:
@@ -151,7 +154,9 @@ class Engine:
     sequences); `block_size` tokens per cache block; `enable_prefix_caching` reuses cached prompt
     prefixes across requests. `attention` "expanded" decodes with per-head keys and values rebuilt
     from the cache (the reference form, for tests). The model is put in eval mode; the cache takes
-    its dtype and device.
+    its dtype and device. `record_routes` keeps the experts every token was routed to beside its
+    cache rows and returns them with each finished sample (`Completion.routed_experts`), for RL's
+    routing replay.
     """
 
     def __init__(
@@ -167,6 +172,7 @@ class Engine:
         kv_cache_tokens: int | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
+        record_routes: bool = False,
     ) -> None:
         if attention not in DECODE_ATTENTION:
             raise ValueError(
@@ -199,6 +205,7 @@ class Engine:
         self.cache = MLACache(
             cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype=weight.dtype,
             device=weight.device, block_size=block_size, max_blocks=max_blocks,
+            routes=(len(model.moe_routers()), cfg.num_experts_per_tok) if record_routes else None,
         )  # fmt: skip
         self.stats = EngineStats()
         self._running: list[_Seq] = []
@@ -569,6 +576,9 @@ class Engine:
     def _release(self, s: _Seq) -> None:
         """A sequence leaves the batch: its blocks go back (indexed ones stay cached until evicted)."""
         self.stats.samples_finished += 1
+        if self.cache.routes_BbLK is not None and s.table:
+            forwarded = s.prefilled if s.prefilling else s.length - 1
+            s.completion.routed_experts = self.cache.read_routes(s.table, forwarded)
         self._running.remove(s)
         self.cache.release_all(s.table)
         s.table = []

@@ -23,13 +23,26 @@ from k2_model.engine.decode import (
     prefill_attention,
 )
 from k2_model.model import K2ForCausalLM
+from k2_model.moe import MoE
 from k2_model.rope import rope_cos_sin
 
 DECODE_ATTENTION = {"absorbed": decode_attention_absorbed, "expanded": decode_attention_expanded}
 
 
-def _mlp(layer: torch.nn.Module, h_TD: Tensor) -> Tensor:
-    return layer.mlp(layer.post_attention_layernorm(h_TD).unsqueeze(0)).squeeze(0)
+def _mlp(layer: torch.nn.Module, h_TD: Tensor, routes: list[Tensor] | None) -> Tensor:
+    """The layer's MLP; with `routes` (the cache records them), a MoE layer's chosen experts
+    [T, K] are appended to it."""
+    x_1TD = layer.post_attention_layernorm(h_TD).unsqueeze(0)
+    if routes is not None and isinstance(layer.mlp, MoE):
+        out_1TD, idx_TK = layer.mlp(x_1TD, return_routes=True)
+        routes.append(idx_TK)
+        return out_1TD.squeeze(0)
+    return layer.mlp(x_1TD).squeeze(0)
+
+
+def _record_routes(cache: MLACache, routes: list[Tensor] | None, block_T: Tensor, offset_T: Tensor) -> None:
+    if routes:
+        cache.write_routes(block_T, offset_T, torch.stack(routes, dim=1))
 
 
 @torch.inference_mode()
@@ -62,11 +75,13 @@ def prefill(
     inner = model.model
     cos_TR2, sin_TR2 = rope_cos_sin(inner.rope_inv_freq, pos_T, inner.rope_attention_factor)
     h_TD = inner.embed_tokens(ids_T)
+    routes = [] if cache.routes_BbLK is not None else None
     for i, layer in enumerate(inner.layers):
         h_TD = h_TD + prefill_attention(
             layer.self_attn, layer.input_layernorm(h_TD), cos_TR2, sin_TR2, cache, i, idx
         )
-        h_TD = h_TD + _mlp(layer, h_TD)
+        h_TD = h_TD + _mlp(layer, h_TD, routes)
+    _record_routes(cache, routes, idx.block_T, idx.offset_T)
     last_n = torch.tensor(lengths, device=device).cumsum(0) - 1
     return model.lm_head(inner.norm(h_TD[last_n])).float()
 
@@ -98,7 +113,9 @@ def decode(
     inner = model.model
     cos_nR2, sin_nR2 = rope_cos_sin(inner.rope_inv_freq, pos_n, inner.rope_attention_factor)
     h_nD = inner.embed_tokens(tokens_n)
+    routes = [] if cache.routes_BbLK is not None else None
     for i, layer in enumerate(inner.layers):
         h_nD = h_nD + attend(layer.self_attn, layer.input_layernorm(h_nD), cos_nR2, sin_nR2, cache, i, idx)
-        h_nD = h_nD + _mlp(layer, h_nD)
+        h_nD = h_nD + _mlp(layer, h_nD, routes)
+    _record_routes(cache, routes, idx.block_n, idx.offset_n)
     return model.lm_head(inner.norm(h_nD)).float()
