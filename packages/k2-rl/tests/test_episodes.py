@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from k2_data import load_tokenizer
 from k2_rl.config import RLConfig
 from k2_rl.envs import get_env
@@ -49,7 +50,10 @@ class ScriptedEngine:
             group = []
             for k in range(n):
                 ids = TOK.encode(self.respond(text, turn, k), allow_special=True)[:max_tokens] + [IM_END]
-                group.append(Sample(ids, [-0.5] * len(ids), "stop"))
+                # routing as a recording engine reports it: every position but the last sampled
+                # one, here expert (position % 4) in one MoE layer (k2_rl.routing)
+                pos = torch.arange(len(prompt) + len(ids) - 1, dtype=torch.int16) % 4
+                group.append(Sample(ids, [-0.5] * len(ids), "stop", pos.view(-1, 1, 1)))
             out.append(group)
         return out
 
@@ -210,6 +214,19 @@ def test_next_prompt_is_the_previous_ids_plus_sampled_plus_tool_turn_and_only_sa
     answer = TOK.encode("done", allow_special=True) + [IM_END]
     assert trained == turn1 + answer
     assert sum(t != -100 for t in labels) == e.policy_tokens == len(turn1) + len(answer)
+
+
+def test_the_episode_row_carries_the_last_turn_s_routing_of_every_position():
+    """The last turn's prompt was the whole episode so far, so its record covers every position
+    the trainer forwards (tool turns included); the row's last token has none (-1)."""
+    engine = scripted(call_text("kv_set", '{"key": "color", "value": "blue"}'), "done")
+    eps = _runner(_cfg()).rollout(engine, _kv_tasks(), 2, temperature=1.0, top_p=1.0, seed=0)
+    b = episode_batch(eps, [1.0, 1.0], pad_id=0)
+    for r, e in enumerate(eps):
+        n = len(e.prompt_ids) + len(e.ids)
+        routes = b["routed_experts"][r, :, 0, 0]
+        assert routes[: n - 1].tolist() == [p % 4 for p in range(n - 1)]
+        assert bool((routes[n - 1 :] == -1).all())
 
 
 def test_continuity_metric_reports_the_first_differing_position():
