@@ -581,3 +581,50 @@ def test_sigkill_of_an_env_run_kills_the_mcp_server_and_resumes_exactly(tmp_path
     for it in (1, 2, 3):
         name = f"episodes/iteration-{it:06d}.jsonl"
         assert (tmp_path / "part" / name).read_text() == (tmp_path / "full" / name).read_text()
+
+
+class LongerAnswerCritic:
+    """A consistent critic: the longer final answer wins (both orders), equal lengths tie."""
+
+    def __init__(self):
+        from k2_rl.rewards.critic import CriticStats
+
+        self.stats = CriticStats()
+
+    def complete(self, requests):
+        out = []
+        for req in requests:
+            user = req["messages"][-1]["content"]
+            a = user.split("[Response A]\n")[1].split("\n[End of Response A]")[0]
+            b = user.split("[Response B]\n")[1].split("\n[End of Response B]")[0]
+            pick = "tie" if len(a) == len(b) else ("A" if len(a) > len(b) else "B")
+            out.append(json.dumps({"reason": "length", "preferred": pick, "violations": {"A": [], "B": []}}))
+        return out
+
+
+def test_open_tasks_add_the_rubric_win_rate_by_the_documented_rule():
+    """A task with rubrics: the critic ranks the K episodes' final answers; each episode's reward is
+    (env reward + w * win rate) / (1 + w); strict success stays the environment's."""
+    from k2_rl.envs.base import with_rubric
+    from k2_rl.rewards.rubric import RubricReward
+
+    answers = iter(["done", "done, stored blue under color"] * 3)  # episode 1, episode 2; per iteration
+
+    def respond(_text, turn, _k):
+        return call_text("kv_set", '{"key": "color", "value": "blue"}') if turn == 0 else next(answers)
+
+    engine = ScriptedEngine(respond)
+    runner = _runner(_cfg())
+    task = {**_kv_tasks()[0], "rubrics": ["Say what was stored."], "rubric_weight": 0.5}
+    with pytest.raises(ValueError, match="critic"):
+        runner.iteration(engine, [task], 2, temperature=1.0, top_p=1.0, seed=0, iteration=0, pad_id=0)
+    runner.rubric = RubricReward(LongerAnswerCritic())
+    eb = runner.iteration(engine, [task], 2, temperature=1.0, top_p=1.0, seed=0, iteration=0, pad_id=0)
+    assert [e.parts["rubric"] for e in eb.episodes] == [0.0, 1.0]
+    env_only = [1.0, 1.0]  # both stored the value: state and calls right
+    assert eb.raw == [pytest.approx(with_rubric(r, w, 0.5)) for r, w in zip(env_only, [0.0, 1.0])]
+    assert eb.raw == [pytest.approx(2 / 3), pytest.approx(1.0)]
+    assert all(e.success for e in eb.episodes) and eb.metrics["rubric_tasks"] == 1
+    # a task without rubrics is left to its environment
+    eb = runner.iteration(engine, _kv_tasks(), 2, temperature=1.0, top_p=1.0, seed=0, iteration=0, pad_id=0)
+    assert eb.raw == [1.0, 1.0] and "rubric_tasks" not in eb.metrics

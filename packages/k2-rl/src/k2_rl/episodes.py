@@ -164,6 +164,7 @@ class EpisodeRunner:
         self.cfg, self.tok, self.maker, self.log = cfg, tokenizer, maker, log
         self.ep_cfg = cfg.episodes
         self.stop = set(stop_ids)
+        self.rubric: Any = None  # the rubric reward (a GroupReward) for open tasks; set by the loop
 
     # -------------------------------------------------------------- rendering
     def _render(self, messages: list[dict], tools: list[dict], gen: bool) -> list[int]:
@@ -307,6 +308,33 @@ class EpisodeRunner:
                     self.log(f"env close failed (ignored): {err}")
         return eps
 
+    def score_open_tasks(self, eps: Sequence[Episode], tasks: Sequence[dict], seed: int) -> dict[str, Any]:
+        """The rubric reward on open tasks (k2_rl.envs.base): the critic compares the final answers
+        of a task's episodes pairwise; each episode's win rate becomes its `rubric` part, combined
+        with the environment's reward by `with_rubric`. Episodes that ended in an error keep 0."""
+        from k2_rl.envs.base import is_open_task, rubric_weight, with_rubric
+
+        open_idx = [p for p, t in enumerate(tasks) if is_open_task(t)]
+        if not open_idx:
+            return {}
+        if self.rubric is None:
+            raise ValueError(
+                "tasks with rubrics need the rubric reward's critic: pass --critic-url URL (an "
+                "OpenAI-compatible API root) or --critic-url policy"
+            )
+        groups = [[e for e in eps if e.task_index == p] for p in open_idx]
+        scores = self.rubric.score_groups(
+            [(tasks[p]["messages"], [e.answer for e in g], tasks[p]) for p, g in zip(open_idx, groups)],
+            seed=derive_seed(seed, "rubric"),
+        )
+        for p, g, rewards in zip(open_idx, groups, scores.rewards):
+            w = rubric_weight(tasks[p])
+            for e, r in zip(g, rewards):
+                if e.finish != "error":
+                    e.parts["rubric"] = float(r)
+                    e.reward = with_rubric(e.reward, float(r), w)
+        return {"rubric_tasks": len(open_idx), **{f"rubric_{k}": v for k, v in scores.stats.items()}}
+
     def iteration(
         self,
         generate: Callable[..., list[list[Sample]]],
@@ -324,13 +352,13 @@ class EpisodeRunner:
         t0 = time.perf_counter()
         eps = self.rollout(generate, tasks, n, temperature=temperature, top_p=top_p, seed=seed)
         rollout_s = time.perf_counter() - t0
+        metrics: dict[str, Any] = self.score_open_tasks(eps, tasks, seed)
         raw = [e.reward for e in eps]
         penalty = self.cfg.rewards.truncation_penalty
         shaped = [0.0 if e.finish == "error" else budget_penalty(e.reward, e.truncated, penalty) for e in eps]
         coef = length_coef_at(
             self.cfg.rewards.length_reward_coef, self.cfg.rewards.length_reward_warmup, iteration
         )
-        metrics: dict[str, Any] = {}
         if coef:
             shaped, extra = add_length_reward(
                 shaped,

@@ -296,8 +296,12 @@ class _Loop:
             self.heldout = read_tasks(cfg.heldout, cfg.rewards.reward) if cfg.heldout else []
         if self.env_maker is None:
             self._resolve_rewards()
-        else:  # the environment scores its episodes
+        else:  # the environment scores its episodes; open tasks also by the rubric reward
+            from k2_rl.envs.base import is_open_task
+
             self.group_names, self.response_names, self.group_rewards, self.critic = set(), [], {}, None
+            if any(is_open_task(t) for t in self.tasks):
+                self.group_names = {"rubric"}
         # held-out accuracy is a verifier's: prompts scored by a group reward (a critic) are left out
         self.heldout = [t for t in self.heldout if self._reward_name(t) not in self.group_names]
         if cfg.eval_prompts:
@@ -600,6 +604,8 @@ class _Loop:
             self.engine.start()
             if self.group_names and self.info.is_main:
                 self._setup_group_rewards()
+                if self.episodes is not None:
+                    self.episodes.rubric = self.group_rewards["rubric"]
             sync_s = self.engine.sync(f"start-{self.it_state.iteration}")
             self.log(f"policy synced into the rollout engine in {sync_s:.2f} s")
             with self._sigint_finishes_iteration():

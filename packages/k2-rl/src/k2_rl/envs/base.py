@@ -21,6 +21,15 @@ answer 0.7 + calls 0.3 for the calculator; tests 0.8 + calls 0.2 for code) and a
 `"reward_weights"` overriding them. Strict success (`success`) is logged beside this partial credit:
 the final state equals the expected one (or the answer, or every unit test passed) and the policy
 answered within its budget.
+
+Open tasks (a task with `"rubrics"`, or `"reward": "rubric"`) are also scored by the self-critique
+rubric reward (k2_rl.rewards.rubric): the critic compares the final answers of the task's K
+episodes pairwise, and each episode's win rate joins its parts as `rubric`, with weight
+`"rubric_weight"` (default 1) against the environment's parts taken together (weight 1):
+
+    reward = (env_reward + w_rubric * rubric) / (1 + w_rubric)      (`with_rubric`)
+
+Strict success stays the environment's: a rubric cannot make an episode succeed.
 """
 
 from __future__ import annotations
@@ -80,6 +89,24 @@ def combine(parts: Mapping[str, float], weights: Mapping[str, float]) -> float:
     return sum(float(w) * float(parts[k]) for k, w in weights.items()) / total
 
 
+def is_open_task(task: Mapping[str, Any]) -> bool:
+    """A task the rubric reward scores too (see the module): it names rubrics or the rubric reward."""
+    return bool(task.get("rubrics")) or task.get("reward") == "rubric"
+
+
+def rubric_weight(task: Mapping[str, Any]) -> float:
+    w = task.get("rubric_weight", 1.0)
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0:
+        raise ValueError(f"task field 'rubric_weight' must be a number >= 0, got {w!r}")
+    return float(w)
+
+
+def with_rubric(env_reward: float, rubric: float, weight: float) -> float:
+    """The documented rule for open tasks: the environment's reward and the rubric win rate,
+    weighted 1 : `weight`."""
+    return (float(env_reward) + weight * float(rubric)) / (1.0 + weight)
+
+
 def task_weights(task: dict, default: Mapping[str, float]) -> dict[str, float]:
     w = task.get("reward_weights")
     if w is None:
@@ -135,5 +162,8 @@ __all__ = [
     "canonical_call",
     "combine",
     "function_call",
+    "is_open_task",
+    "rubric_weight",
     "task_weights",
+    "with_rubric",
 ]
