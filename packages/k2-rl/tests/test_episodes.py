@@ -128,6 +128,55 @@ def test_kvstore_env_runs_the_stateful_simulator_and_scores_the_final_state():
     assert bad.results == ["Error: kv 'nope' not found"]
 
 
+def _call(i: int, name: str, **args) -> dict:
+    return {"id": f"functions.{name}:{i}", "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+def test_kvstore_mcp_env_runs_the_tasks_on_the_shipped_server_a_namespace_per_episode():
+    """The kvstore tasks on the real MCP server: the same scores as the simulator for the expert's
+    and a do-nothing agent's episodes; two open episodes never see each other's keys; the policy
+    never sees the namespace; closing an episode leaves nothing on the server."""
+    from k2_rl.envs.kvstore import TOOLS
+
+    maker, sim = get_env("kvstore-mcp"), get_env("kvstore")
+    try:
+        tasks = maker.tasks(12, seed=0)
+        for task in tasks:
+            for m in (maker, sim):
+                env = m()
+                _, tools = env.reset(task)
+                for i, c in enumerate(task["expected_calls"]):
+                    assert (
+                        not env.step([_call(i, c["name"], **c["arguments"])]).results[0].startswith("Error")
+                    )
+                sc = env.score("done")
+                assert sc.success and sc.reward == 1.0, (m.name, task)
+                env.close()
+                idle = m()
+                idle.reset(task)
+                assert not idle.score("").success and idle.score("").parts["calls"] == 0.0
+                idle.close()
+        # the tools are the server's own, with the simulator's names and parameters
+        assert [t["function"]["name"] for t in tools] == [t["function"]["name"] for t in TOOLS]
+        a, b = maker(), maker()
+        a.reset(
+            {"messages": [], "expected_state": {}, "initial_state": {"kv": {"k": {"key": "k", "value": "A"}}}}
+        )
+        b.reset({"messages": [], "expected_state": {}})
+        assert b.step([_call(0, "kv_get", key="k")]).results == [
+            "Error: Error executing tool kv_get: no such key: k"
+        ]
+        assert b.step([_call(1, "kv_set", key="k", value="B")]).results == ["created k"]
+        assert a.step([_call(0, "kv_get", key="k"), _call(1, "kv_list")]).results == ["A", "k"]
+        assert b.state() == {"kv": {"k": {"key": "k", "value": "B"}}}
+        assert b.step([_call(2, "kv_set", key="", value="x")]).results[0].startswith("Error")
+        a.close()
+        b.close()
+        assert maker.server.call("kv_list", {"prefix": ""}) == '{"result": []}'  # nothing left behind
+    finally:
+        maker.close()
+
+
 def test_calculator_env_calls_the_shipped_mcp_server():
     maker = get_env("calculator")
     try:

@@ -1,7 +1,8 @@
 """Tool environments for multi-turn `k2 rl --env NAME` episodes (k2_rl.episodes runs them).
 
-Shipped: `kvstore` (the stateful tool simulator with the kvstore server's tools), `calculator` (the
-shipped calculator MCP server, called for real), `python` (k2-data's sandbox as the tool, unit tests
+Shipped: `kvstore` (the stateful tool simulator with the kvstore server's tools), `kvstore-mcp`
+(the same tasks on the shipped kvstore MCP server, called for real, a namespace per episode),
+`calculator` (the shipped calculator MCP server, called for real), `python` (k2-data's sandbox as the tool, unit tests
 as the reward). Your own: `--env package.module:attr` or `--env path/to/file.py:attr`, an `EnvMaker`
 (a class is instantiated with no arguments); see `k2_rl.envs.base` for the interface and the
 reward combination rule.
@@ -13,7 +14,7 @@ from typing import Any
 
 from k2_rl.envs.base import Environment, EnvMaker, Score, Step, call_score, combine
 
-SHIPPED = ("kvstore", "calculator", "python")
+SHIPPED = ("kvstore", "kvstore-mcp", "calculator", "python")
 
 
 def env_known(name: str) -> bool:
@@ -26,6 +27,10 @@ def get_env(name: str) -> Any:
         from k2_rl.envs.kvstore import KVStoreMaker
 
         return KVStoreMaker()
+    if name == "kvstore-mcp":
+        from k2_rl.envs.kvstore_mcp import KVStoreMCPMaker
+
+        return KVStoreMCPMaker()
     if name == "calculator":
         from k2_rl.envs.calculator import CalculatorMaker
 
