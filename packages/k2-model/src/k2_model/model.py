@@ -556,7 +556,7 @@ class K2ForCausalLM(nn.Module):
         `routed_experts` [B, S, num_moe_layers, K] int: the experts a rollout engine chose for each
         token (-1 where it has none): every MoE layer counts where its own choice differs
         (`routing_mismatch()`), and after `set_routing_replay(True)` routes by the record
-        (k2_model.routing).
+        (RL routing replay: k2_rl.routing).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")

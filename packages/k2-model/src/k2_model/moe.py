@@ -51,7 +51,7 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
         # Tokens routed to each expert by training-mode forwards since the last bias update.
         self.register_buffer("expert_load", torch.zeros(E, dtype=torch.float32), persistent=False)
-        # Routing against a recorded one (k2_model.routing): [tokens whose top-k set differs from the
+        # Routing against a recorded one (forward(routed_experts=...)): [tokens whose top-k set differs from the
         # record, tokens with a record] over the forwards since the last reset
         self.register_buffer("route_mismatch", torch.zeros(2, dtype=torch.float32), persistent=False)
 
@@ -120,7 +120,7 @@ class MoE(nn.Module):
             if config.n_shared_experts > 0
             else None
         )
-        # k2_model.routing: route by the experts recorded for the tokens, where a forward gets them
+        # set_routing_replay: route by the experts recorded for the tokens, where a forward gets them
         self.replay_routing = False
 
     def forward(

@@ -70,7 +70,7 @@ class MLACache:
         )
         # routes=(MoE layers, experts per token): beside each cached row, the experts its token was
         # routed to in every MoE layer (int16), so a finished sample reports the routing of every
-        # position, prefix-cache hits included (RL's routing replay, k2_model.routing)
+        # position, prefix-cache hits included (RL routing replay: k2_rl.routing)
         self.routes_shape = routes
         self.routes_BbLK = (
             None
