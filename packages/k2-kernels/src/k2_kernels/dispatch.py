@@ -25,7 +25,7 @@ from k2_kernels import _lib
 from k2_kernels.attention_ops import kernel_serves as _attention_serves
 from k2_kernels.newton_schulz_ops import kernel_serves as _newton_schulz_serves
 
-OPS = ("rms_norm", "mla_attention", "moe_swiglu_experts", "newton_schulz")
+OPS = ("rms_norm", "mla_attention", "mla_decode_paged", "moe_swiglu_experts", "newton_schulz")
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,10 @@ def preferred(
         if head_dims is None:
             raise ValueError("preferred('mla_attention', ...) needs head_dims=(Dk, Dv)")
         return _attention_serves(device, *head_dims) and (not cpu or _lib.has_fast_blas())
+    if op == "mla_decode_paged":  # reads the pool in place: beats torch's gather + bmm on any BLAS
+        from k2_kernels.decode_ops import decode_kernel_serves
+
+        return decode_kernel_serves(device)
     if op == "moe_swiglu_experts":  # fp32 CPU kernel; elsewhere the op is torch._grouped_mm anyway
         return cpu and dtype == torch.float32 and _lib.has_cpu() and _lib.has_fast_blas()
     if op == "newton_schulz":

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from k2_kernels import _launch, reference
 from k2_kernels.attention_ops import mla_attention
+from k2_kernels.decode_ops import mla_decode_paged
 from k2_kernels.dispatch import Capabilities, capabilities, preferred
 from k2_kernels.grouped_gemm_ops import grouped_mm, grouped_mm_wgrad, moe_swiglu_experts
 from k2_kernels.newton_schulz_ops import newton_schulz
@@ -31,7 +32,8 @@ from k2_kernels.rope_ops import mla_rope_pack
 
 __all__ = [
     "Capabilities", "capabilities", "preferred",
-    "grouped_mm", "grouped_mm_wgrad", "mla_attention", "mla_rope_pack", "rms_norm", "moe_swiglu_experts",
+    "grouped_mm", "grouped_mm_wgrad", "mla_attention", "mla_decode_paged", "mla_rope_pack", "rms_norm",
+    "moe_swiglu_experts",
     "newton_schulz", "moe_permute", "moe_route", "moe_unpermute", "route_weight_backward",
 ]  # fmt: skip
 
@@ -392,4 +394,5 @@ def op_names() -> Sequence[str]:
         "k2::mla_attention", "k2::mla_attention_backward", "k2::newton_schulz",
         "k2::grouped_mm", "k2::grouped_mm_wgrad", "k2::moe_swiglu_experts", "k2::moe_swiglu_experts_backward",
         "k2::rms_norm", "k2::rms_norm_backward", "k2::mla_rope_pack", "k2::mla_rope_pack_backward",
+        "k2::mla_decode_paged",
     )  # fmt: skip

@@ -241,3 +241,19 @@ def mla_rope_pack_backward(
     dkv = torch.cat((dk_THD[..., :P], dv_THV), dim=-1)
     dk_rope = rope_interleaved_backward(dk_THD[..., P:].sum(1), cos, sin)
     return dq, dkv, dk_rope
+
+
+def mla_decode_paged(
+    q_nHK: Tensor, cache_NbBK: Tensor, table_nM: Tensor, lens_n: Tensor, C: int, scale: float
+) -> Tensor:
+    """MLA decode attention over a paged latent cache (absorbed form), fp32 [n, H, C].
+
+    Row j < lens[i] of sequence i is `cache[table[i, j // B], j % B]` ([K] = latent C + rope R);
+    `out[i, h] = sum_j softmax_j(scale * q[i, h] . row_j) * row_j[:C]`."""
+    n, M = table_nM.shape
+    B, K = cache_NbBK.shape[1], cache_NbBK.shape[2]
+    rows_nLK = cache_NbBK.index_select(0, table_nM.reshape(-1)).view(n, M * B, K).float()
+    scores_nHL = torch.bmm(q_nHK.float(), rows_nLK.transpose(1, 2)) * scale
+    keep_n1L = (torch.arange(M * B, device=q_nHK.device)[None] < lens_n[:, None]).unsqueeze(1)
+    probs_nHL = torch.softmax(scores_nHL.masked_fill(~keep_n1L, float("-inf")), dim=-1)
+    return torch.bmm(probs_nHL, rows_nLK[..., :C])

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from k2_kernels.decode_ops import mla_decode_paged
 from torch import Tensor
 
 from k2_model.engine.cache import MLACache
@@ -39,7 +40,8 @@ class DecodeIndex:
     offset_n: Tensor  # and the offset in it
     table_nM: Tensor  # block tables, padded with any block id (masked by position)
     keys_n1L: Tensor  # True where key j exists for the sequence (j <= pos), [n, 1, M * B]
-    rows: Tensor  # [n * M, B, K] buffer the layers gather their cache rows into, in turn
+    rows: Tensor | None  # [n * M, B, K] buffer the layers gather their rows into; None: read in place
+    lens_n: Tensor  # rows per sequence (pos + 1)
 
 
 @dataclass
@@ -89,15 +91,20 @@ def decode_attention_absorbed(
     q_nope_nHP, q_rope_nHR = q_nHX.split([attn.P, attn.R], dim=-1)
     q_rope_nHR = apply_rope_interleaved(q_rope_nHR, cos_nR2.unsqueeze(1), sin_nR2.unsqueeze(1))
     cache.write(layer, idx.block_n, idx.offset_n, cache_rows(attn, x_nD, cos_nR2, sin_nR2))
-    kv_nLK = cache.gather(layer, idx.table_nM, out=idx.rows)
 
     w_uk_HPC, w_uv_HVC = _up_weights(attn)
     q_lat_HnC = torch.bmm(q_nope_nHP.transpose(0, 1), w_uk_HPC)  # W_UK folded into the query
     q_nHK = torch.cat((q_lat_HnC.transpose(0, 1), q_rope_nHR), dim=-1)
-    scores_nHL = torch.bmm(q_nHK, kv_nLK.transpose(1, 2).to(q_nHK.dtype))
-    scores_nHL = scores_nHL.mul_(attn.softmax_scale).masked_fill_(~idx.keys_n1L, float("-inf"))
-    probs_nHL = F.softmax(scores_nHL, dim=-1, dtype=torch.float32).to(q_nHK.dtype)
-    o_lat_nHC = torch.bmm(probs_nHL, kv_nLK[..., :C].to(q_nHK.dtype))
+    if idx.rows is None:  # k2-kernels reads each sequence's rows in the pool, once for all heads
+        o_lat_nHC = mla_decode_paged(
+            q_nHK, cache.kv_LyBbK[layer], idx.table_nM, idx.lens_n, C, attn.softmax_scale
+        )
+    else:
+        kv_nLK = cache.gather(layer, idx.table_nM, out=idx.rows)
+        scores_nHL = torch.bmm(q_nHK, kv_nLK.transpose(1, 2).to(q_nHK.dtype))
+        scores_nHL = scores_nHL.mul_(attn.softmax_scale).masked_fill_(~idx.keys_n1L, float("-inf"))
+        probs_nHL = F.softmax(scores_nHL, dim=-1, dtype=torch.float32).to(q_nHK.dtype)
+        o_lat_nHC = torch.bmm(probs_nHL, kv_nLK[..., :C].to(q_nHK.dtype))
     o_HnV = torch.bmm(o_lat_nHC.transpose(0, 1), w_uv_HVC.transpose(1, 2))  # W_UV folded into the output
     return attn.o_proj(o_HnV.transpose(0, 1).reshape(n, H * attn.V))
 
@@ -118,7 +125,7 @@ def decode_attention_expanded(
     q_nope_nHP, q_rope_nHR = q_nHX.split([P, R], dim=-1)
     q_rope_nHR = apply_rope_interleaved(q_rope_nHR, cos_nR2.unsqueeze(1), sin_nR2.unsqueeze(1))
     cache.write(layer, idx.block_n, idx.offset_n, cache_rows(attn, x_nD, cos_nR2, sin_nR2))
-    kv_nLK = cache.gather(layer, idx.table_nM, out=idx.rows).to(q_nHX.dtype)
+    kv_nLK = cache.gather(layer, idx.table_nM, out=idx.rows).to(q_nHX.dtype)  # rows: never None here
     max_len = kv_nLK.shape[1]
     kv_nLHX = attn.kv_b_proj(kv_nLK[..., :C]).view(n, max_len, H, P + V)
     k_nope_nHLP, v_nHLV = kv_nLHX.transpose(1, 2).split([P, V], dim=-1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from k2_kernels import ops as _kops
 from torch import Tensor
 
 from k2_model.engine.cache import MLACache
@@ -86,6 +87,12 @@ def prefill(
     return model.lm_head(inner.norm(h_TD[last_n])).float()
 
 
+def paged_decode(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether absorbed decode reads the cache in place with k2-kernels' `mla_decode_paged` (CPU,
+    fp32 or bf16 cache) instead of gathering each sequence's blocks into a padded copy per layer."""
+    return dtype in (torch.float32, torch.bfloat16) and _kops.preferred("mla_decode_paged", device)
+
+
 @torch.inference_mode()
 def decode(
     model: K2ForCausalLM,
@@ -100,6 +107,7 @@ def decode(
     B, device = cache.block_size, pos_n.device
     M = max(len(t) for t in tables)
     pos = pos_n.tolist()
+    paged = attention == "absorbed" and paged_decode(device, cache.dtype)
     idx = DecodeIndex(
         pos_n=pos_n,
         block_n=torch.tensor([t[p // B] for t, p in zip(tables, pos)], dtype=torch.long, device=device),
@@ -108,7 +116,11 @@ def decode(
             [list(t) + [t[0]] * (M - len(t)) for t in tables], dtype=torch.long, device=device
         ),
         keys_n1L=(torch.arange(M * B, device=device)[None] <= pos_n[:, None]).unsqueeze(1),
-        rows=torch.empty(len(tables) * M, B, cache.row_size, dtype=cache.dtype, device=device),
+        # the compiled kernel reads the pool in place; the PyTorch path gathers into this buffer
+        rows=None
+        if paged
+        else torch.empty(len(tables) * M, B, cache.row_size, dtype=cache.dtype, device=device),
+        lens_n=pos_n + 1,
     )
     inner = model.model
     cos_nR2, sin_nR2 = rope_cos_sin(inner.rope_inv_freq, pos_n, inner.rope_attention_factor)
