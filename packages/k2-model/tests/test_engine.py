@@ -524,3 +524,49 @@ def test_chunked_prefill_keeps_decoding_and_equals_one_prefill() -> None:
     outs = engine2.step()
     assert sorted(o.index for o in outs if o.finished and o.finish_reason == "abort") == [0, 1, 2]
     assert not engine2.has_unfinished() and engine2.cache.num_used() == 0
+
+
+def test_engine_thread_hands_a_step_s_outputs_to_batching_queues_in_one_call() -> None:
+    """Queues with a `batch_key` get a step's outputs in one `put_batch` per key (an asyncio server's
+    one wake-up per step); the streams are the same as through plain queues."""
+    import queue
+
+    from k2_model.engine import EngineThread
+
+    class Batched:
+        batch_key = "loop"
+        calls: list[int] = []
+
+        def __init__(self) -> None:
+            self.q: queue.Queue = queue.Queue()
+
+        def put(self, item) -> None:
+            self.q.put(item)
+
+        @classmethod
+        def put_batch(cls, items) -> None:
+            cls.calls.append(len(items))
+            for q, item in items:
+                q.q.put(item)
+
+    model = make_model()
+    prompts = prompts_of([4, 11, 7])
+    want = Engine(model).generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
+    runner = EngineThread(Engine(model))
+    try:
+        with runner._wake:  # submitted together: they run in the same steps
+            subs = [
+                runner.submit(p, SamplingParams(max_tokens=6, temperature=0.0), out=Batched())
+                for p in prompts
+            ]
+        for (_rid, b), ref in zip(subs, want):
+            toks = []
+            while True:
+                out = b.q.get(timeout=30)
+                toks += out.token_ids
+                if out.finished:
+                    break
+            assert toks == ref.token_ids
+    finally:
+        runner.close()
+    assert sum(Batched.calls) == 3 * 6 and max(Batched.calls) == 3  # one call per step for all three

@@ -29,15 +29,29 @@ log = logging.getLogger("k2.serve")
 
 
 class _LoopQueue:
-    """A request's outputs, put by the engine thread, awaited on the event loop."""
+    """A request's outputs, put by the engine thread, awaited on the event loop. A step's outputs
+    for every stream of one loop arrive in one `call_soon_threadsafe` (`put_batch`): one wake-up
+    of the loop per step, whatever the number of streams."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop, self._q = loop, asyncio.Queue()
+        self.batch_key = loop
 
     def put(self, item: Any) -> None:  # on the engine thread
         try:
             self._loop.call_soon_threadsafe(self._q.put_nowait, item)
         except RuntimeError:  # the loop closed (server shutting down): nobody is reading
+            pass
+
+    @classmethod
+    def put_batch(cls, items: list[tuple[_LoopQueue, Any]]) -> None:  # on the engine thread
+        def deliver() -> None:
+            for q, item in items:
+                q._q.put_nowait(item)
+
+        try:
+            items[0][0]._loop.call_soon_threadsafe(deliver)
+        except RuntimeError:
             pass
 
     async def get(self) -> Any:

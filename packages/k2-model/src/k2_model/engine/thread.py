@@ -1,7 +1,9 @@
 """EngineThread: drive an Engine from a background thread and stream each request's outputs.
 
 A server submits requests from any thread (or an asyncio loop, via `loop.run_in_executor` or by
-polling) and reads `StepOutput`s from the request's queue; a request with `n` samples puts the
+polling) and reads `StepOutput`s from the request's queue (a queue class with a `batch_key`
+attribute and a `put_batch([(queue, output), ...])` classmethod gets all of a step's outputs for
+queues of one key in one call: an asyncio server wakes its loop once per step, not once per stream); a request with `n` samples puts the
 outputs of all of them (`StepOutput.index`) on one queue, the last of each has `finished=True`.
 The thread sleeps while there is nothing to do.
 """
@@ -89,12 +91,19 @@ class EngineThread:
                 self._queues.clear()
                 self._unfinished.clear()
                 raise
+            batches: dict[Any, list] = {}  # queues that take a step's outputs in one hand-off
             for out in outs:
                 q = self._queues.get(out.request_id)
                 if q is not None:
-                    q.put(out)
+                    key = getattr(q, "batch_key", None)
+                    if key is None:
+                        q.put(out)
+                    else:
+                        batches.setdefault(key, []).append((q, out))
                     if out.finished:
                         self._unfinished[out.request_id] -= 1
                         if self._unfinished[out.request_id] == 0:
                             self._queues.pop(out.request_id, None)
                             self._unfinished.pop(out.request_id, None)
+            for items in batches.values():
+                type(items[0][0]).put_batch(items)
