@@ -14,7 +14,7 @@ from k2_model.engine import SamplingParams
 
 from k2_stack.cli import main
 from k2_stack.serve import build_bridge
-from k2_stack.serve.bridge import default_threads, serve_dtype
+from k2_stack.serve.bridge import default_threads, describe_dtype, serve_dtype
 
 GAP, LOGPROB = 0.06, 0.15
 
@@ -25,6 +25,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def test_the_startup_line_says_which_dtype_and_why(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("K2_NATIVE_BF16", "1")
+    assert describe_dtype("auto", torch.bfloat16, cpu) == "bfloat16 (auto: native bf16 GEMMs)"
+    monkeypatch.setenv("K2_NATIVE_BF16", "0")
+    assert describe_dtype("auto", torch.float32, cpu) == "float32 (auto: bf16 GEMMs not native on this CPU)"
+    assert describe_dtype("bfloat16", torch.bfloat16, cpu) == "bfloat16"
+    assert (
+        describe_dtype("auto", torch.bfloat16, torch.device("meta"))
+        == "bfloat16 (auto: the checkpoint's dtype)"
+    )
 
 
 def test_auto_dtype_follows_the_native_bf16_probe(monkeypatch):

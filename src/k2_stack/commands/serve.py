@@ -195,6 +195,15 @@ def run(args: argparse.Namespace) -> int:
         )
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         return _fail(str(e))
+    from k2_stack.serve.bridge import describe_dtype
+
+    weight = bridge.model.lm_head.weight
+    print(
+        f"k2 serve: {bridge.config.served_model_name} on {weight.device}, "
+        f"{describe_dtype(args.dtype, weight.dtype, weight.device)}, {torch.get_num_threads()} torch "
+        f"thread(s), max batch {bridge.config.max_batch_size}, max length {bridge.max_model_len}",
+        flush=True,
+    )
     try:
         uvicorn.run(
             create_app(bridge, None if args.no_ckpt_receiver else args.ckpt_rank),

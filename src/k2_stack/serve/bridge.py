@@ -207,6 +207,19 @@ def serve_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
+def describe_dtype(dtype: str, chosen: torch.dtype, device: torch.device) -> str:
+    """`--dtype` as the startup line shows it: what was asked and, for auto, why."""
+    name = str(chosen).removeprefix("torch.")
+    if dtype != "auto":
+        return name
+    if device.type != "cpu":
+        return f"{name} (auto: the checkpoint's dtype)"
+    from k2_kernels import cpu_has_native_bf16
+
+    why = "native bf16 GEMMs" if cpu_has_native_bf16() else "bf16 GEMMs not native on this CPU"
+    return f"{name} (auto: {why})"
+
+
 def build_bridge(
     model_dir: str | None,
     preset: str | None,
