@@ -10,6 +10,7 @@ and the final full parameters. `reference()` is the same training in one process
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -105,6 +106,7 @@ def _worker(rank: int, world: int, eps: list[int], out: str, port: int) -> None:
             torch.save(rec, os.path.join(out, f"w{world}_ep{ep}_rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+        gc.collect()  # gloo's threads joined now, not in static destructors at exit (docs/training.md)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 Each process runs both scenarios (FSDP2 Muon, then the max-logit all-reduce), one spawn for both.
 """
 
+import gc
 import os
 import sys
 
@@ -151,6 +152,7 @@ def worker(rank, world, out_dir):
         muonclip_fsdp_worker(rank, world, out_dir)
     finally:
         dist.destroy_process_group()
+        gc.collect()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ k2 ckpt serve (--uds PATH | --port N)      # one per training rank, under torchr
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -185,6 +186,7 @@ def run_serve(args: argparse.Namespace) -> int:
         srv.stop()
         ps.close()
         dist.destroy_process_group()
+        gc.collect()  # the group's gloo threads joined now, not in static destructors (docs/training.md)
     return 0
 
 

@@ -5,6 +5,7 @@ Used by the tests and `k2 ckpt bench`; a real deployment uses torchrun instead.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -34,6 +35,10 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out: mp.
             result = fn(rank, world, *args)
         finally:
             dist.destroy_process_group()
+            # free what cycles kept of the group (its gloo threads) now, not in static destructors
+            # at exit, where one aborted a rank now and then ("terminate called without an active
+            # exception"; docs/training.md)
+            gc.collect()
         out.put((rank, True, result))
     except BaseException:
         out.put((rank, False, traceback.format_exc()))

@@ -16,6 +16,7 @@ collectives (the FSDP2 gather of the weights, k2-ckpt's broadcast, a restart's r
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import shutil
 import time
@@ -139,6 +140,7 @@ class PolicyEngine:
             import torch.distributed as dist
 
             dist.destroy_process_group()
+            gc.collect()  # its gloo threads joined now, not in static destructors (docs/training.md)
             self.created_group = False
 
     # -------------------------------------------------------------- the loop's operations

@@ -9,6 +9,7 @@ and resumes like a single-process one.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -51,8 +52,13 @@ def init_distributed(device_type: str) -> DistInfo:
 
 
 def shutdown(info: DistInfo) -> None:
+    """Leave the process group, and free what reference cycles kept of it (FSDP2 modules, device
+    meshes) while the interpreter is alive: its gloo threads are then joined here, not in static
+    destructors at exit, where one now and then aborted a rank after a finished run ("terminate
+    called without an active exception", SIGABRT; docs/training.md)."""
     if info.initialized_here and dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()
 
 
 def all_reduce_scalar(value: float, op: str, info: DistInfo, device: torch.device) -> float:
