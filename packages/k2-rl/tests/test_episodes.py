@@ -276,6 +276,13 @@ def test_the_episode_row_carries_the_last_turn_s_routing_of_every_position():
         routes = b["routed_experts"][r, :, 0, 0]
         assert routes[: n - 1].tolist() == [p % 4 for p in range(n - 1)]
         assert bool((routes[n - 1 :] == -1).all())
+    # the second reply cut by the token budget: no record past the row's own tokens
+    engine = scripted(call_text("kv_set", '{"key": "color", "value": "blue"}'), "word " * 80)
+    (e,) = _runner(_cfg(max_episode_tokens=100)).rollout(
+        engine, _kv_tasks(), 1, temperature=1.0, top_p=1.0, seed=0
+    )
+    assert (e.finish, e.turns, len(e.ids)) == ("tokens", 2, 100)
+    assert e.routes.shape[0] == len(e.prompt_ids) + 100 < len(engine.calls[1][0]) + 64  # trimmed
 
 
 def test_continuity_metric_reports_the_first_differing_position():

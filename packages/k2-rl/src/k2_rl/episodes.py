@@ -190,7 +190,7 @@ class EpisodeRunner:
         e.logprobs += lps
         e.turns += 1
         if s.routed_experts is not None:  # this turn's prompt was the whole episode so far
-            e.routes = s.routed_experts
+            e.routes = s.routed_experts[: len(e.prompt_ids) + len(e.ids)]  # none past a budget cut
         if cut:
             e.finish = "tokens"
             return
