@@ -97,7 +97,10 @@ def preferred(
         if head_dims is None:
             raise ValueError("preferred('mla_attention', ...) needs head_dims=(Dk, Dv)")
         return _attention_serves(device, *head_dims) and (not cpu or _lib.has_fast_blas())
-    if op == "mla_decode_paged":  # reads the pool in place: beats torch's gather + bmm on any BLAS
+    # reads the pool in place: at a few heads faster than torch's gather + bmm on any BLAS; from 16
+    # heads on its per-block products are GEMMs, on par with torch's with OpenBLAS attached
+    # (docs/kernels.md), about 2x slower on the built-in GEMM at K2's 64 heads
+    if op == "mla_decode_paged":
         from k2_kernels.decode_ops import decode_kernel_serves
 
         return decode_kernel_serves(device)
