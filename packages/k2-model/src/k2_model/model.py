@@ -370,12 +370,12 @@ class K2Model(nn.Module):
     ) -> Tensor:
         B, S = input_ids_BS.shape
         device = input_ids_BS.device
-        moe_index = [i for i, layer in enumerate(self.layers) if isinstance(layer.mlp, MoE)]
-
-        def recorded(i: int) -> Tensor | None:  # layer i's recorded experts [B, S, K], if any
-            if routed_experts_BSLK is None or i not in moe_index:
-                return None
-            return routed_experts_BSLK[:, :, moe_index.index(i)]
+        # layer i's recorded experts [B, S, K], if any (j-th MoE layer: routed_experts[:, :, j])
+        per_layer: list[Tensor | None] = [None] * len(self.layers)
+        if routed_experts_BSLK is not None:
+            moe = [i for i, layer in enumerate(self.layers) if isinstance(layer.mlp, MoE)]
+            for j, i in enumerate(moe):
+                per_layer[i] = routed_experts_BSLK[:, :, j]
 
         if position_ids_BS is None:
             position_ids_BS = torch.arange(S, device=device).unsqueeze(0).expand(B, S)
@@ -395,7 +395,7 @@ class K2Model(nn.Module):
             mask_BSL = attention_mask_BS.bool() | torch.eye(S, dtype=torch.bool, device=device)
             h_BSD = self.embed_tokens(input_ids_BS)
             for i, layer in enumerate(self.layers):
-                h_BSD = layer(h_BSD, cos, sin, mask_BSL, None, recorded(i))
+                h_BSD = layer(h_BSD, cos, sin, mask_BSL, None, per_layer[i])
             return self.norm(h_BSD)
         if document_ids_BS is not None and attention_mask_BS is None:
             segments = PackedSegments.from_document_ids(document_ids_BS)
@@ -406,7 +406,7 @@ class K2Model(nn.Module):
             mask_BSL = build_attention_mask(S, device, attention_mask_BS, document_ids_BS)
         h_BSD = self.embed_tokens(input_ids_BS)
         for i, layer in enumerate(self.layers):
-            h_BSD = layer(h_BSD, cos, sin, mask_BSL, segments, recorded(i))
+            h_BSD = layer(h_BSD, cos, sin, mask_BSL, segments, per_layer[i])
         return self.norm(h_BSD)
 
 

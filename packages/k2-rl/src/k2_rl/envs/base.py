@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -107,6 +107,27 @@ def with_rubric(env_reward: float, rubric: float, weight: float) -> float:
     return (float(env_reward) + weight * float(rubric)) / (1.0 + weight)
 
 
+def run_calls(
+    tool_calls: Sequence[Mapping[str, Any]],
+    call: Callable[[str, dict], str],
+    errors: tuple[type[BaseException], ...],
+    made: list[tuple[str, Any, bool]],
+) -> list[str]:
+    """One result text per call: `call(name, arguments)`, or `Error: ...` when the arguments are not
+    a JSON object or `call` raises one of `errors` (a tool failing is the policy's problem, not the
+    environment's). Each call is appended to `made` as (name, arguments or None, succeeded)."""
+    results = []
+    for c in tool_calls:
+        try:
+            name, args = function_call(c)
+            text, ok = call(name, args), True
+        except (*errors, ValueError) as e:
+            name, args, text, ok = str((c.get("function") or {}).get("name")), None, f"Error: {e}", False
+        made.append((name, args, ok))
+        results.append(text)
+    return results
+
+
 def task_weights(task: dict, default: Mapping[str, float]) -> dict[str, float]:
     w = task.get("reward_weights")
     if w is None:
@@ -164,6 +185,7 @@ __all__ = [
     "function_call",
     "is_open_task",
     "rubric_weight",
+    "run_calls",
     "task_weights",
     "with_rubric",
 ]

@@ -20,7 +20,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-from k2_rl.envs.base import Score, Step, call_score, combine, function_call, task_weights
+from k2_rl.envs.base import Score, Step, call_score, combine, run_calls, task_weights
 
 WEIGHTS = {"answer": 0.7, "calls": 0.3}
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -102,21 +102,7 @@ class CalculatorEnv:
     def step(self, tool_calls: list[dict]) -> Step:
         from k2_data.agentic.mcp_import import MCPToolError
 
-        results = []
-        for call in tool_calls:
-            try:
-                name, args = function_call(call)
-                text, ok = self.server.call(name, args), True
-            except (MCPToolError, ValueError) as e:
-                name, args, text, ok = (
-                    str((call.get("function") or {}).get("name")),
-                    None,
-                    f"Error: {e}",
-                    False,
-                )
-            self.made.append((name, args, ok))
-            results.append(text)
-        return Step(results)
+        return Step(run_calls(tool_calls, self.server.call, (MCPToolError,), self.made))
 
     def score(self, answer: str) -> Score:
         right = same_number(last_number(answer), str(self.task["answer"]))

@@ -20,7 +20,7 @@ import json
 import random
 from typing import Any
 
-from k2_rl.envs.base import Score, Step, call_score, combine, function_call, task_weights
+from k2_rl.envs.base import Score, Step, call_score, combine, run_calls, task_weights
 
 WEIGHTS = {"state": 0.7, "calls": 0.3}
 
@@ -55,6 +55,14 @@ def state_score(final: dict, expected: dict) -> float:
     return 1.0 if not a and not e else len(a & e) / len(a | e)
 
 
+def score_store(final: dict, task: dict, made: list[tuple[str, Any, bool]]) -> Score:
+    """A kvstore episode's score from its final store (the simulator's or the server's) and calls."""
+    expected = json.loads(json.dumps(task["expected_state"], sort_keys=True))
+    parts = {"state": state_score(final, expected), "calls": call_score(made, task.get("expected_calls"))}
+    success = final == {c: r for c, r in expected.items() if r}
+    return Score(combine(parts, task_weights(task, WEIGHTS)), success, parts)
+
+
 class KVStoreEnv:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -78,28 +86,14 @@ class KVStoreEnv:
     def step(self, tool_calls: list[dict]) -> Step:
         from k2_data.agentic.simulator import ToolSimError
 
-        results = []
-        for call in tool_calls:
-            try:
-                name, args = function_call(call)
-                text = self.loop.run_until_complete(self.sim.call(name, args))
-                ok = True
-            except (ToolSimError, ValueError) as e:
-                name, args = str((call.get("function") or {}).get("name")), {}
-                text, ok = f"Error: {e}", False
-            self.made.append((name, args if ok else None, ok))
-            results.append(text)
+        def call(name: str, args: dict) -> str:
+            return self.loop.run_until_complete(self.sim.call(name, args))
+
+        results = run_calls(tool_calls, call, (ToolSimError,), self.made)
         return Step(results, done=False, state=self.sim.state.snapshot())
 
     def score(self, answer: str) -> Score:
-        final = self.sim.state.snapshot()
-        expected = json.loads(json.dumps(self.task["expected_state"], sort_keys=True))
-        parts = {
-            "state": state_score(final, expected),
-            "calls": call_score(self.made, self.task.get("expected_calls")),
-        }
-        success = final == {c: r for c, r in expected.items() if r}
-        return Score(combine(parts, task_weights(self.task, WEIGHTS)), success, parts)
+        return score_store(self.sim.state.snapshot(), self.task, self.made)
 
     def close(self) -> None:
         self.loop.close()

@@ -20,9 +20,9 @@ import json
 import random
 from typing import Any
 
-from k2_rl.envs.base import Score, Step, call_score, combine, function_call, task_weights
+from k2_rl.envs.base import Score, Step, run_calls
 from k2_rl.envs.calculator import LiveServer
-from k2_rl.envs.kvstore import WEIGHTS, make_task, state_score
+from k2_rl.envs.kvstore import make_task, score_store
 
 
 def _listed(text: str) -> list[str]:
@@ -66,22 +66,11 @@ class KVStoreMCPEnv:
     def step(self, tool_calls: list[dict]) -> Step:
         from k2_data.agentic.mcp_import import MCPToolError
 
-        results = []
-        for call in tool_calls:
-            try:
-                name, args = function_call(call)
-                text, ok = self._outward(self.server.call(name, self._inward(name, args))), True
-            except (MCPToolError, ValueError) as e:
-                name, args, text, ok = (
-                    str((call.get("function") or {}).get("name")),
-                    None,
-                    f"Error: {e}",
-                    False,
-                )
-                text = self._outward(text)
-            self.made.append((name, args, ok))
-            results.append(text)
-        return Step(results, done=False, state=self.state())
+        def call(name: str, args: dict) -> str:
+            return self.server.call(name, self._inward(name, args))
+
+        results = run_calls(tool_calls, call, (MCPToolError,), self.made)
+        return Step([self._outward(r) for r in results], done=False, state=self.state())
 
     def state(self) -> dict:
         """The episode's store as the simulator reports one: {"kv": {key: {"key", "value"}}}, {} if empty."""
@@ -93,14 +82,7 @@ class KVStoreMCPEnv:
         return {"kv": kv} if kv else {}
 
     def score(self, answer: str) -> Score:
-        final = self.state()
-        expected = json.loads(json.dumps(self.task["expected_state"], sort_keys=True))
-        parts = {
-            "state": state_score(final, expected),
-            "calls": call_score(self.made, self.task.get("expected_calls")),
-        }
-        success = final == {c: r for c, r in expected.items() if r}
-        return Score(combine(parts, task_weights(self.task, WEIGHTS)), success, parts)
+        return score_store(self.state(), self.task, self.made)
 
     def close(self) -> None:
         for full in _listed(self.server.call("kv_list", {"prefix": self.ns})):
