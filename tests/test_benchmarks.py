@@ -148,3 +148,9 @@ def test_qat_proof_driver_runs_every_stage(tmp_path):
     results = json.loads((tmp_path / "qat_proof.json").read_text())["results"]
     assert results["FP"]["agreement"] == [1.0] and set(results) == {"FP", "PTQ", "QAT"}
     assert (tmp_path / "seed0" / "qat-int4" / "config.json").is_file()
+
+
+def test_paged_decode_benchmark_prints_its_tables():
+    out = run_bench("paged_decode.py", "--repeats", "2", "--engine-rounds", "1")
+    assert "| attention (one layer) |" in out and "| engine, sequences |" in out
+    assert out.count(" heads x ") == 4 and out.count("x |") >= 7  # 4 shapes, 3 engine sizes
