@@ -62,4 +62,18 @@ K2_BINDINGS(grouped_gemm_cpu) {
       "(dy, dy_row_stride, x, x_row_stride, gate_up, gate, gate_stride_e, gate_stride_r, up, ..., down, ..., "
       "offsets, E, N, D, I, dx_out or 0, d_gate_out or 0, d_up_out, d_down_out, h_scratch [N, I], "
       "dgu_scratch [N, 2I], num_threads)");
+  m.def(
+      "moe_swiglu_experts_bf16w_cpu",
+      [](uintptr_t x, int64_t xs, uintptr_t wg, int64_t wgse, int64_t wgsr, uintptr_t wu, int64_t wuse, int64_t wusr,
+         uintptr_t wd, int64_t wdse, int64_t wdsr, uintptr_t offs, int64_t E, int64_t N, int64_t D, int64_t I,
+         uintptr_t gu, uintptr_t y, int threads) {
+        SwigluWeightsBf16 w{ptr<const uint16_t>(wg), wgse, wgsr, ptr<const uint16_t>(wu), wuse, wusr,
+                            ptr<const uint16_t>(wd), wdse, wdsr};
+        SwigluExpertsBf16Args a{ptr<const float>(x), xs, w, ptr<const int32_t>(offs), E, N, D, I, ptr<float>(gu),
+                                ptr<float>(y), threads};
+        py::gil_scoped_release nogil;
+        moe_swiglu_experts_bf16w_cpu(a);
+      },
+      "(x, x_row_stride, gate, gate_stride_e, gate_stride_r, up, ..., down, ..., offsets, E, N, D, I, "
+      "gate_up_out, y_out, num_threads): fused SwiGLU experts with bf16 weights; x and outputs fp32");
 }

@@ -373,4 +373,61 @@ void moe_swiglu_experts_backward_cpu(const SwigluExpertsBackwardArgs& a) {
   }
 }
 
+namespace {
+
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+
+// Eight bf16 values as fp32 (bf16 is the top half of an fp32's bits).
+inline v8f widen8(const uint16_t* p) {
+  v8u16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return (v8f)(__builtin_convertvector(h, v8i) << 16);
+}
+
+// dst [rows, cols] (contiguous fp32) = src's bf16 rows (row stride ld).
+K2_ISA_CLONES void widen_rows(const uint16_t* src, int64_t rows, int64_t cols, int64_t ld, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* s = src + r * ld;
+    float* d = dst + r * cols;
+    int64_t c = 0;
+    for (; c + 8 <= cols; c += 8) store8(d + c, widen8(s + c));
+    for (; c < cols; ++c) d[c] = bf16_to_f32(s[c]);
+  }
+}
+
+}  // namespace
+
+void moe_swiglu_experts_bf16w_cpu(const SwigluExpertsBf16Args& a) {
+  check_group_offsets(a.offsets, a.E, a.N);
+  const int threads = resolve_threads(a.num_threads);
+  const int64_t D = a.D, I = a.I;
+  const SwigluWeightsBf16& w = a.w;
+  std::vector<int64_t> rows(size_t(a.E));
+  std::vector<double> unit(size_t(a.E), 1.0);
+  for (int64_t e = 0; e < a.E; ++e) rows[size_t(e)] = rows_of(a.offsets, e);
+  const auto tasks = make_tasks(a.E, rows, unit, threads, 8, false);
+  run_tasks(tasks, threads, [&](const Task& t) {
+    const int64_t r0 = start_of(a.offsets, t.e) + t.lo, R = t.hi - t.lo;
+    const float* x = a.x + r0 * a.x_row_stride;
+    float* gu = a.gate_up + r0 * 2 * I;
+    float* h = scratch(size_t(R * I));
+    const uint16_t* wg = w.gate + t.e * w.gate_stride_e;
+    const uint16_t* wu = w.up + t.e * w.up_stride_e;
+    const uint16_t* wd = w.down + t.e * w.down_stride_e;
+    float* g32 = scratch(size_t(I * D), 1);
+    float* u32 = scratch(size_t(I * D), 2);
+    float* d32 = scratch(size_t(D * I), 3);
+    widen_rows(wg, I, D, w.gate_stride_r, g32);
+    widen_rows(wu, I, D, w.up_stride_r, u32);
+    widen_rows(wd, D, I, w.down_stride_r, d32);
+    sgemm_few_rows(false, true, R, I, D, 1.0f, x, a.x_row_stride, g32, D, 0.0f, gu, 2 * I);
+    sgemm_few_rows(false, true, R, I, D, 1.0f, x, a.x_row_stride, u32, D, 0.0f, gu + I, 2 * I);
+    swiglu_rows(gu, R, I, h);
+    sgemm_few_rows(false, true, R, D, I, 1.0f, h, I, d32, I, 0.0f, a.y + r0 * D, D);
+  });
+  const int64_t end = a.E ? a.offsets[a.E - 1] : 0;
+  std::memset(a.y + end * D, 0, size_t(a.N - end) * size_t(D) * sizeof(float));
+  std::memset(a.gate_up + end * 2 * I, 0, size_t(a.N - end) * size_t(2 * I) * sizeof(float));
+}
+
 }  // namespace k2

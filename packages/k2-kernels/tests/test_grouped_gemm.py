@@ -283,3 +283,65 @@ def test_swiglu_experts_opcheck_and_fallback(monkeypatch):
         assert rel_err(b.grad, a.grad) <= TOL
     with pytest.raises(ValueError, match="down_EDI"):
         gg.moe_swiglu_experts(args[0], args[1], args[2], torch.randn(4, 8, 12), offs)
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 weights, no gradients (serving in bf16): k2::moe_swiglu_experts_bf16w
+
+needs_bf16w = pytest.mark.skipif(
+    not hasattr(_lib.compiled(), "moe_swiglu_experts_bf16w_cpu"),
+    reason="k2_kernels._C without the bf16w kernel",
+)
+
+
+@needs_bf16w
+@pytest.mark.parametrize("case", list(SWIGLU_CASES))
+def test_swiglu_experts_bf16_weights_match_fp64_on_the_rounded_inputs(case, threads, panel):
+    """The bf16 inputs are exact in fp64, so the fp64 reference on them is the exact answer; the kernel
+    accumulates in fp32 and rounds its output to bf16 once: error <= one bf16 rounding of the output
+    (relative 2^-8) plus fp32 accumulation. torch's bf16 composition rounds after every GEMM."""
+    counts, D, I, extra = SWIGLU_CASES[case]
+    E, N = len(counts), sum(counts) + extra
+    offs = offsets_from_counts(counts)
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(N, D, generator=gen).bfloat16()
+    ws = [(torch.randn(E, I, D, generator=gen) / D**0.5).bfloat16(),
+          (torch.randn(E, I, D, generator=gen) / D**0.5).bfloat16(),
+          (torch.randn(E, D, I, generator=gen) / I**0.5).bfloat16()]  # fmt: skip
+    with torch.no_grad():
+        y = gg.moe_swiglu_experts(x, *ws, offs)
+    exact = swiglu_reference(x.double(), *(w.double() for w in ws), offs)
+    assert y.dtype == torch.bfloat16
+    err = rel_err(y, exact)
+    assert err <= 2.0**-8, err
+    if D % 8 == 0 and I % 8 == 0:  # torch._grouped_mm wants 16-byte aligned bf16 rows
+        with torch.no_grad():
+            y_torch = gg._swiglu_torch(x, *ws, offs, with_gate_up=False)[0]
+        assert err <= rel_err(y_torch, exact) + 1e-6  # never worse than torch's own bf16 path
+    if extra:
+        assert torch.count_nonzero(y[-extra:]) == 0
+
+
+@needs_bf16w
+def test_swiglu_experts_bf16_weights_strided_and_gradients_keep_the_torch_path(monkeypatch):
+    """Transposed (strided) expert views run the kernel like contiguous ones; with gradients wanted
+    the differentiable composition runs instead (the bf16w op has no backward)."""
+    counts = [3, 0, 9, 4]
+    offs = offsets_from_counts(counts)
+    gen = torch.Generator().manual_seed(22)
+    x = torch.randn(16, 24, generator=gen).bfloat16()  # sizes torch._grouped_mm takes in bf16 (x 8)
+    gate = torch.randn(4, 24, 8, generator=gen).bfloat16().transpose(1, 2)  # [E, I, D] view, row stride 1
+    up, down = (
+        torch.randn(4, 8, 24, generator=gen).bfloat16(),
+        torch.randn(4, 24, 8, generator=gen).bfloat16(),
+    )
+    exact = swiglu_reference(x.double(), gate.double(), up.double(), down.double(), offs)
+    with torch.no_grad():
+        assert rel_err(gg.moe_swiglu_experts(x, gate, up, down, offs), exact) <= 2.0**-8
+    opcheck(torch.ops.k2.moe_swiglu_experts_bf16w.default, (x, gate.contiguous(), up, down, offs))
+    called = []
+    monkeypatch.setattr(gg, "_moe_swiglu_experts_bf16w", lambda *a: called.append(1))
+    xg = x.clone().requires_grad_()
+    y = gg.moe_swiglu_experts(xg, gate, up, down, offs)
+    y.float().sum().backward()
+    assert not called and xg.grad is not None and xg.grad.dtype == torch.bfloat16

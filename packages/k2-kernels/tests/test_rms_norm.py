@@ -57,3 +57,20 @@ def test_non_kernel_inputs_fall_back_and_opcheck():
     with pytest.raises(ValueError, match="weight must be"):
         ops.rms_norm(torch.randn(3, 8), torch.randn(7))
     torch.library.opcheck(torch.ops.k2.rms_norm.default, (torch.randn(5, 12), torch.randn(12), 1e-6))
+
+
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+def test_no_grad_calls_skip_the_op_dispatch_with_the_same_result(grad_mode, monkeypatch):
+    """Inference calls go straight to the kernel: bit-identical to the op's forward, strided input too."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 2, 40, generator=gen)[:, 1]  # [9, 40], rows strided
+    w = torch.randn(40, generator=gen)
+    expect = torch.ops.k2.rms_norm(x, w, 1e-5)[0]
+    from k2_kernels import norm_ops
+
+    monkeypatch.setattr(norm_ops, "_rms_norm", None)  # the op is not called at all
+    ctx = torch.no_grad() if grad_mode == "no_grad" else torch.inference_mode()
+    with ctx:
+        got = ops.rms_norm(x, w, 1e-5)
+    assert torch.equal(got, expect)
+    assert rel(got, reference.rms_norm(x.double(), w.double(), 1e-5)) <= 1e-6

@@ -384,6 +384,43 @@ def _swiglu_backward(ctx, dy_ND, _d_gate_up):
 _moe_swiglu_experts.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)
 
 
+def _bf16w_serves(x_ND: Tensor, weights: tuple[Tensor, ...]) -> bool:
+    """True when the compiled bf16-weight forward runs these bf16 CPU inputs and no gradient is wanted
+    (it has no backward: training in bf16 keeps the differentiable torch composition)."""
+    if x_ND.device.type != "cpu" or x_ND.dtype != torch.bfloat16:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x_ND, *weights)):
+        return False
+    C = _lib.compiled()
+    return C is not None and hasattr(C, "moe_swiglu_experts_bf16w_cpu")
+
+
+@torch.library.custom_op("k2::moe_swiglu_experts_bf16w", mutates_args=())
+def _moe_swiglu_experts_bf16w(
+    x_ND: Tensor, gate_EID: Tensor, up_EID: Tensor, down_EDI: Tensor, offsets_E: Tensor
+) -> Tensor:
+    """y_ND (bf16) of the expert MLP with bf16 weights, accumulated in fp32 (inference only)."""
+    _check_swiglu(x_ND, gate_EID, up_EID, down_EDI, offsets_E)
+    (N, D), (E, I, _D) = x_ND.shape, gate_EID.shape
+    x32_ND = x_ND.float()  # a decode step's few rows: widened once here, read by every expert
+    wg, wu, wd = _linear_layout(gate_EID), _linear_layout(up_EID), _linear_layout(down_EDI)
+    gate_up_N2I = torch.empty(N, 2 * I, dtype=torch.float32)
+    y_ND = torch.empty(N, D, dtype=torch.float32)
+    _lib.compiled().moe_swiglu_experts_bf16w_cpu(
+        x32_ND.data_ptr(), D,
+        wg[0].data_ptr(), wg[1], wg[2], wu[0].data_ptr(), wu[1], wu[2], wd[0].data_ptr(), wd[1], wd[2],
+        offsets_E.contiguous().data_ptr(), E, N, D, I, gate_up_N2I.data_ptr(), y_ND.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return y_ND.to(torch.bfloat16)
+
+
+@_moe_swiglu_experts_bf16w.register_fake
+def _(x_ND, gate_EID, up_EID, down_EDI, offsets_E):
+    _check_swiglu(x_ND, gate_EID, up_EID, down_EDI, offsets_E)
+    return x_ND.new_empty(x_ND.shape[0], x_ND.shape[1])
+
+
 def moe_swiglu_experts(
     x_ND: Tensor, gate_EID: Tensor, up_EID: Tensor, down_EDI: Tensor, offsets_E: Tensor
 ) -> Tensor:
@@ -393,8 +430,12 @@ def moe_swiglu_experts(
 
     fp32 CPU tensors run one kernel per direction (the three GEMMs and the activation of an expert
     while its rows are in cache; the backward writes all weight gradients in their own layouts);
-    anything else runs the same composition through ``torch._grouped_mm``.
+    bf16 CPU tensors without gradients (serving in bf16) run a forward kernel that reads the bf16
+    weights and accumulates in fp32; anything else runs the same composition through
+    ``torch._grouped_mm``.
     """
+    if _bf16w_serves(x_ND, (gate_EID, up_EID, down_EDI)):
+        return _moe_swiglu_experts_bf16w(x_ND, gate_EID, up_EID, down_EDI, offsets_E)
     if not _swiglu_serves(x_ND):
         _check_swiglu(x_ND, gate_EID, up_EID, down_EDI, offsets_E)
         return _swiglu_torch(x_ND, gate_EID, up_EID, down_EDI, offsets_E, with_gate_up=False)[0]
@@ -408,4 +449,5 @@ def op_names() -> tuple[str, ...]:
         "k2::grouped_mm_wgrad",
         "k2::moe_swiglu_experts",
         "k2::moe_swiglu_experts_backward",
+        "k2::moe_swiglu_experts_bf16w",
     )

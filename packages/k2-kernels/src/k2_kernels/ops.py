@@ -394,5 +394,5 @@ def op_names() -> Sequence[str]:
         "k2::mla_attention", "k2::mla_attention_backward", "k2::newton_schulz",
         "k2::grouped_mm", "k2::grouped_mm_wgrad", "k2::moe_swiglu_experts", "k2::moe_swiglu_experts_backward",
         "k2::rms_norm", "k2::rms_norm_backward", "k2::mla_rope_pack", "k2::mla_rope_pack_backward",
-        "k2::mla_decode_paged",
+        "k2::mla_decode_paged", "k2::moe_swiglu_experts_bf16w",
     )  # fmt: skip
