@@ -10,8 +10,9 @@ W_UV[h] c, with c the normalised latent. So
     sum_j p_j W_UV[h] c_j   = W_UV[h] (sum_j p_j c_j)          (W_UV folded into the output)
 and every head attends over the shared K-dim cache rows [c_j, rope(k_rope)_j] directly: one
 batched matmul for scores and one for the weighted sum, never expanding per-head keys/values.
-W_UK and W_UV are views of `kv_b_proj.weight` taken at every call: the engine keeps no derived
-copy of any weight, so weights updated in place between steps take effect on the next step.
+W_UK and W_UV are views of `kv_b_proj.weight` taken at every call, and the projections' oneDNN
+packs (`engine/linear.py`) are keyed by each weight's version counter: weights updated in place
+between steps take effect on the next step.
 
 Rows live in the paged cache: a step's `DecodeIndex` / `PrefillIndex` say where each new row goes
 (block, offset) and which blocks hold each sequence's earlier rows.
@@ -27,6 +28,7 @@ from k2_kernels.decode_ops import mla_decode_paged
 from torch import Tensor
 
 from k2_model.engine.cache import MLACache
+from k2_model.engine.linear import linear
 from k2_model.model import MLAttention
 from k2_model.rope import apply_rope_interleaved
 
@@ -59,13 +61,13 @@ def _query(attn: MLAttention, x_nD: Tensor) -> Tensor:
     """[n, H, P + R] queries (q low-rank path or plain q_proj)."""
     H, P, R = attn.num_heads, attn.P, attn.R
     if attn.config.q_lora_rank is None:
-        return attn.q_proj(x_nD).view(-1, H, P + R)
-    return attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x_nD))).view(-1, H, P + R)
+        return linear(attn.q_proj, x_nD).view(-1, H, P + R)
+    return linear(attn.q_b_proj, attn.q_a_layernorm(linear(attn.q_a_proj, x_nD))).view(-1, H, P + R)
 
 
 def cache_rows(attn: MLAttention, x_nD: Tensor, cos_nR2: Tensor, sin_nR2: Tensor) -> Tensor:
     """The cache rows of new tokens: [kv_a_layernorm(c), rope(k_rope)], [n, C + R]."""
-    c_nC, k_rope_nR = attn.kv_a_proj_with_mqa(x_nD).split([attn.C, attn.R], dim=-1)
+    c_nC, k_rope_nR = linear(attn.kv_a_proj_with_mqa, x_nD).split([attn.C, attn.R], dim=-1)
     return torch.cat((attn.kv_a_layernorm(c_nC), apply_rope_interleaved(k_rope_nR, cos_nR2, sin_nR2)), dim=-1)
 
 
@@ -105,7 +107,7 @@ def decode_attention_absorbed(
         scores_nHL = scores_nHL.mul_(attn.softmax_scale).masked_fill_(~idx.keys_n1L, float("-inf"))
         probs_nHL = F.softmax(scores_nHL, dim=-1, dtype=torch.float32).to(q_nHK.dtype)
         o_lat_nHC = torch.bmm(probs_nHL, kv_nLK[..., :C].to(q_nHK.dtype))
-    return attn.o_proj(_fold_uv(o_lat_nHC, w_uv_HVC).reshape(n, H * attn.V))
+    return linear(attn.o_proj, _fold_uv(o_lat_nHC, w_uv_HVC).reshape(n, H * attn.V))
 
 
 def _fold_uv(o_lat_nHC: Tensor, w_uv_HVC: Tensor) -> Tensor:
@@ -136,7 +138,7 @@ def decode_attention_expanded(
     cache.write(layer, idx.block_n, idx.offset_n, cache_rows(attn, x_nD, cos_nR2, sin_nR2))
     kv_nLK = cache.gather(layer, idx.table_nM, out=idx.rows).to(q_nHX.dtype)  # rows: never None here
     max_len = kv_nLK.shape[1]
-    kv_nLHX = attn.kv_b_proj(kv_nLK[..., :C]).view(n, max_len, H, P + V)
+    kv_nLHX = linear(attn.kv_b_proj, kv_nLK[..., :C]).view(n, max_len, H, P + V)
     k_nope_nHLP, v_nHLV = kv_nLHX.transpose(1, 2).split([P, V], dim=-1)
     k_nHLX = torch.cat((k_nope_nHLP, kv_nLK[..., C:].unsqueeze(1).expand(n, H, max_len, R)), dim=-1)
     q_nH1X = torch.cat((q_nope_nHP, q_rope_nHR), dim=-1).unsqueeze(2)
@@ -144,7 +146,7 @@ def decode_attention_expanded(
     o_nH1V = F.scaled_dot_product_attention(
         q_nH1X, k_nHLX, v_nHLV, attn_mask=mask_n11L, scale=attn.softmax_scale
     )
-    return attn.o_proj(o_nH1V.reshape(n, H * V))
+    return linear(attn.o_proj, o_nH1V.reshape(n, H * V))
 
 
 def prefill_attention(
@@ -170,7 +172,7 @@ def prefill_attention(
     q_rope_THR = apply_rope_interleaved(q_rope_THR, cos_TR2.unsqueeze(1), sin_TR2.unsqueeze(1))
     rows_TK = cache_rows(attn, x_TD, cos_TR2, sin_TR2)
     cache.write(layer, idx.block_T, idx.offset_T, rows_TK)
-    kv_THX = attn.kv_b_proj(rows_TK[:, :C]).view(T, H, P + V)
+    kv_THX = linear(attn.kv_b_proj, rows_TK[:, :C]).view(T, H, P + V)
     k_nope_THP, v_THV = kv_THX.split([P, V], dim=-1)
     q_HTX = torch.cat((q_nope_THP, q_rope_THR), dim=-1).transpose(0, 1)
     k_HTX = torch.cat((k_nope_THP, rows_TK[:, C:].unsqueeze(1).expand(T, H, R)), dim=-1).transpose(0, 1)
@@ -185,7 +187,7 @@ def prefill_attention(
             )[0]
         else:
             pre_LK = cache.gather(layer, table[None])[0, :start].to(x_TD.dtype)
-            pre_LHX = attn.kv_b_proj(pre_LK[:, :C]).view(start, H, P + V)
+            pre_LHX = linear(attn.kv_b_proj, pre_LK[:, :C]).view(start, H, P + V)
             pre_k_HLP, pre_v_HLV = pre_LHX.transpose(0, 1).split([P, V], dim=-1)
             pre_k_HLX = torch.cat((pre_k_HLP, pre_LK[:, C:].unsqueeze(0).expand(H, start, R)), dim=-1)
             keys = torch.cat((pre_k_HLX, k_HSX), dim=1)
@@ -198,4 +200,4 @@ def prefill_attention(
         outs.append(o_HSV)
         t0 += S
     o_HTV = torch.cat(outs, dim=1)
-    return attn.o_proj(o_HTV.transpose(0, 1).reshape(T, H * V))
+    return linear(attn.o_proj, o_HTV.transpose(0, 1).reshape(T, H * V))

@@ -23,6 +23,7 @@ from k2_model.engine.decode import (
     decode_attention_expanded,
     prefill_attention,
 )
+from k2_model.engine.linear import linear
 from k2_model.model import K2ForCausalLM
 from k2_model.moe import MoE
 from k2_model.rope import rope_cos_sin
@@ -84,7 +85,7 @@ def prefill(
         h_TD = h_TD + _mlp(layer, h_TD, routes)
     _record_routes(cache, routes, idx.block_T, idx.offset_T)
     last_n = torch.tensor(lengths, device=device).cumsum(0) - 1
-    return model.lm_head(inner.norm(h_TD[last_n])).float()
+    return linear(model.lm_head, inner.norm(h_TD[last_n])).float()
 
 
 def paged_decode(device: torch.device, dtype: torch.dtype) -> bool:
@@ -130,4 +131,4 @@ def decode(
         h_nD = h_nD + attend(layer.self_attn, layer.input_layernorm(h_nD), cos_nR2, sin_nR2, cache, i, idx)
         h_nD = h_nD + _mlp(layer, h_nD, routes)
     _record_routes(cache, routes, idx.block_n, idx.offset_n)
-    return model.lm_head(inner.norm(h_nD)).float()
+    return linear(model.lm_head, inner.norm(h_nD)).float()
