@@ -293,6 +293,12 @@ class RLConfig(RunConfig):
         )
         self.optim.validate(where)
         self.model.validate(where)
+        if self.model.qat != "none" and self.rollouts.rollout == "vllm":
+            raise ValueError(
+                f"{where}: qat={self.model.qat!r} with rollout='vllm': vLLM would sample from the "
+                "full-precision weights the sync pushes, not the INT4 ones the trainer's forward sees; "
+                "use k2's rollout worker (it quantises like the trainer) or --qat none"
+            )
         need(self.eval_every >= 0 and self.save_every >= 0 and self.stop_at >= 0, "eval_every", "counts >= 0")
         need(self.ep >= 1, "ep", ">= 1")
         need(self.kl_every >= 0, "kl_every", ">= 0")
