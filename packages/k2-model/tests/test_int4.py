@@ -251,3 +251,44 @@ def test_qat_forward_is_the_int4_export_s_forward(tmp_path):
         plain = model(ids).logits
         assert torch.equal(qat, loaded(ids).logits)
         assert not torch.equal(qat, plain)  # the fake quantisation does change the forward
+
+
+@pytest.mark.parametrize("bits", [3, 2])
+def test_coarser_fake_quantisation_follows_the_int4_rule(bits):
+    """`fake_quantize_int` at 3 or 2 bits: the INT4 rule with 2^(bits-1) levels each side (at most
+    2^bits values per group, the group's max |w| at the top level's scale), straight-through
+    gradient; at 4 bits it is `fake_quantize_int4` exactly. Compared against compressed-tensors'
+    own qdq at that width."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from k2_model.int4 import fake_quantize_int, fake_quantize_int4
+
+    torch.manual_seed(7)
+    w = torch.randn(2, 16, 64, requires_grad=True)
+    assert torch.equal(fake_quantize_int(w, 4, 32), fake_quantize_int4(w, 32))
+    fq = fake_quantize_int(w, bits, 32)
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group", group_size=32)
+    for e in range(2):
+        x = w[e].detach().bfloat16()
+        groups = x.reshape(16, -1, 32)
+        scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+        assert torch.equal(fq[e].detach(), fake_quantize(x, scale, zero, args).float()), e
+    for g in fq.detach().reshape(-1, 32):
+        assert g.unique().numel() <= 2**bits
+    fq.sum().backward()
+    assert torch.equal(w.grad, torch.ones_like(w))
+    with pytest.raises(ValueError, match="bits must be in"):
+        fake_quantize_int(w, 1, 32)
+
+
+def test_qat_schemes_set_the_experts_bits():
+    from k2_model.spec import ModelSpec
+
+    assert (ModelSpec(qat="int4").qat_group_size, ModelSpec(qat="int4").qat_bits) == (32, 4)
+    assert (ModelSpec(qat="int2").qat_group_size, ModelSpec(qat="int2").qat_bits) == (32, 2)
+    assert ModelSpec().qat_group_size == 0
+    model = tiny_model()
+    model.set_expert_qat(32, 3)
+    experts = [m for m in model.modules() if hasattr(m, "qat_bits")]
+    assert experts and all((m.qat_group_size, m.qat_bits) == (32, 3) for m in experts)
+    with pytest.raises(ValueError, match="qat='int5'"):
+        ModelSpec(qat="int5").validate("test")

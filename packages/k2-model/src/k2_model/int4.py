@@ -208,6 +208,27 @@ def quantize_int4(
     return pack_int4(q.to(torch.int8)), scale, torch.tensor([out, inp], dtype=torch.int64)
 
 
+def fake_quantize_int(w: Tensor, bits: int, group_size: int = 32) -> Tensor:
+    """`fake_quantize_int4`'s rule at another width: symmetric groups, bf16 scale max |w| / (2^(bits-1)
+    - 0.5), levels [-2^(bits-1), 2^(bits-1) - 1], straight-through gradient. bits=4 is exactly
+    `fake_quantize_int4`; 3 and 2 are coarser schemes with no export format (for studies of what
+    quantisation costs and what QAT recovers, where INT4 costs too little to measure)."""
+    if bits == 4:
+        return fake_quantize_int4(w, group_size)
+    if not 2 <= bits <= 8:
+        raise ValueError(f"fake_quantize_int: bits must be in [2, 8], got {bits}")
+    *lead, inp = w.shape
+    if inp % group_size:
+        raise ValueError(f"fake_quantize_int: input dim {inp} is not a multiple of group_size {group_size}")
+    lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    with torch.no_grad():
+        x = w.detach().to(torch.bfloat16).reshape(*lead, inp // group_size, group_size)
+        scale = x.abs().amax(-1, keepdim=True) / torch.tensor((hi - lo) / 2, dtype=torch.bfloat16)
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        fq = (torch.clamp(torch.round(x / scale), lo, hi) * scale).reshape(w.shape).to(w.dtype)
+    return w + (fq - w).detach()
+
+
 def fake_quantize_int4(w: Tensor, group_size: int = 32) -> Tensor:
     """INT4 quantisation-aware training's weight: the value an INT4 export of `w` loads back to
     (`quantize_int4` then `dequantize_int4`: scales in bf16 per group of `group_size` along the

@@ -488,17 +488,20 @@ class K2ForCausalLM(nn.Module):
             elif isinstance(m, MLAttention):
                 m.max_logits_H.fill_(-math.inf)
 
-    def set_expert_qat(self, group_size: int) -> None:
+    def set_expert_qat(self, group_size: int, bits: int = 4) -> None:
         """INT4 quantisation-aware training of the routed experts: every forward uses the weights an
         INT4 export (groups of `group_size`) would load, gradients pass straight through to the
-        full-precision weights; 0 turns it off."""
+        full-precision weights; 0 turns it off. `bits` 3 or 2: the same rule at a coarser width
+        (`k2_model.int4.fake_quantize_int`; no export format)."""
         from k2_model.moe import RoutedExperts
 
         if group_size < 0:
             raise ValueError(f"set_expert_qat: group_size must be >= 0, got {group_size}")
+        if not 2 <= bits <= 8:
+            raise ValueError(f"set_expert_qat: bits must be in [2, 8], got {bits}")
         for m in self.modules():
             if isinstance(m, RoutedExperts):
-                m.qat_group_size = group_size
+                m.qat_group_size, m.qat_bits = group_size, bits
 
     def set_routing_replay(self, enabled: bool) -> None:
         """Route every MoE layer by the experts passed as `routed_experts` (where a token has a

@@ -83,15 +83,18 @@ class RoutedExperts(nn.Module):
         # INT4 quantisation-aware training: > 0 runs the forward on the weights an INT4 export
         # (groups of this many inputs) would load, with straight-through gradients (k2_model.int4)
         self.qat_group_size = 0
+        self.qat_bits = 4  # 3 or 2: a coarser fake quantisation (k2_model.int4.fake_quantize_int)
 
     def forward(self, x_ND: Tensor, offsets_E: Tensor) -> Tensor:
         # Under expert parallelism (k2_model.expert_parallel) the weights are DTensors sharded by
         # expert and the rows/offsets are those of this rank's experts: compute on the local part.
         gate, up, down = (_local(p) for p in (self.gate_proj, self.up_proj, self.down_proj))
         if self.qat_group_size:
-            from k2_model.int4 import fake_quantize_int4
+            from k2_model.int4 import fake_quantize_int
 
-            gate, up, down = (fake_quantize_int4(w, self.qat_group_size) for w in (gate, up, down))
+            gate, up, down = (
+                fake_quantize_int(w, self.qat_bits, self.qat_group_size) for w in (gate, up, down)
+            )
         if self.use_k2_kernel:
             # fp32 CPU: one kernel per direction runs each expert's three GEMMs and the activation
             # while its rows are in cache (experts in parallel); elsewhere the composition below.

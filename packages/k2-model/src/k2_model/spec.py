@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any
 
 ATTENTIONS = ("auto", "fused", "sdpa", "eager")
-QAT_SCHEMES = ("none", "int4")
+QAT_SCHEMES = ("none", "int4", "int3", "int2")
 
 
 def _option(default: Any = MISSING, help: str = "", *, default_factory: Any = MISSING, choices=None) -> Any:
@@ -50,7 +50,8 @@ class ModelSpec:
     qat: str = _option(
         "none",
         "quantisation-aware training: int4 (routed experts fake-quantised to INT4, groups of 32, "
-        "straight-through gradients; export with `k2 export --quantize int4`) or none",
+        "straight-through gradients; export with `k2 export --quantize int4`), int3 / int2 (the same "
+        "rule at 3 or 2 bits, for quantisation studies; no export format) or none",
         choices=QAT_SCHEMES,
     )
 
@@ -58,12 +59,17 @@ class ModelSpec:
         if self.attention not in ATTENTIONS:
             raise ValueError(f"{where}: attention={self.attention!r}: expected auto, fused, sdpa or eager")
         if self.qat not in QAT_SCHEMES:
-            raise ValueError(f"{where}: qat={self.qat!r}: expected none or int4")
+            raise ValueError(f"{where}: qat={self.qat!r}: expected none, int4, int3 or int2")
 
     @property
     def qat_group_size(self) -> int:
-        """The INT4 group size QAT uses (0: off)."""
-        return 32 if self.qat == "int4" else 0
+        """The group size QAT uses (0: off)."""
+        return 0 if self.qat == "none" else 32
+
+    @property
+    def qat_bits(self) -> int:
+        """The bit width QAT rounds the routed experts to (4 for int4)."""
+        return int(self.qat.removeprefix("int")) if self.qat != "none" else 4
 
 
 __all__ = ["ATTENTIONS", "ModelSpec", "QAT_SCHEMES"]

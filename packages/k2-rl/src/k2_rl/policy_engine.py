@@ -94,7 +94,8 @@ class PolicyEngine:
             seed=cfg.seed,
             log_path=self.run_dir / "rollout.log",
             port=cfg.rollouts.rollout_port,
-            qat_group_size=cfg.model.qat_group_size,  # --qat int4: sample from the INT4 experts too
+            qat_group_size=cfg.model.qat_group_size,  # --qat: sample from the quantised experts too
+            qat_bits=cfg.model.qat_bits,
         )
         self.rollout = self.worker.start()
         self.log(f"rollout worker: pid {self.worker.pid} at {self.rollout.url}")

@@ -220,14 +220,15 @@ def main(argv: list[str] | None = None) -> int:
         help="sample from the routed experts' INT4 weights (groups of this many inputs), as a policy "
         "trained with --qat int4 runs its forward (0: full precision)",
     )
+    ap.add_argument("--qat-bits", type=int, default=4, help="the QAT bit width (with --qat-group-size)")
     args = ap.parse_args(argv)
     import uvicorn
 
     if args.threads:
         torch.set_num_threads(args.threads)
     model, stop_ids = load_for_rollout(args.model, args.device)
-    if args.qat_group_size:  # the trainer's forward sees INT4 experts: so must the sampler
-        model.set_expert_qat(args.qat_group_size)
+    if args.qat_group_size:  # the trainer's forward sees quantised experts: so must the sampler
+        model.set_expert_qat(args.qat_group_size, args.qat_bits)
     rollout = Rollout(model, stop_ids, args.max_batch_size, args.max_model_len, args.seed)
     try:
         uvicorn.run(make_app(rollout), host=args.host, port=args.port, log_level="warning")
@@ -319,11 +320,12 @@ class RolloutWorker:
         start_timeout_s: float = 300.0,
         port: int = 0,
         qat_group_size: int = 0,
+        qat_bits: int = 4,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"--rollout-port {port}: expected 0 (a free port) or a port in 1..65535")
         self.model_dir, self.device, self.threads, self.seed = str(model_dir), device, threads, seed
-        self.port, self.qat_group_size = port, qat_group_size
+        self.port, self.qat_group_size, self.qat_bits = port, qat_group_size, qat_bits
         self.log_path = Path(log_path) if log_path else None
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
@@ -357,7 +359,7 @@ class RolloutWorker:
         if self.threads:
             cmd += ["--threads", str(self.threads)]
         if self.qat_group_size:
-            cmd += ["--qat-group-size", str(self.qat_group_size)]
+            cmd += ["--qat-group-size", str(self.qat_group_size), "--qat-bits", str(self.qat_bits)]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             self.proc = lifetime.spawn(

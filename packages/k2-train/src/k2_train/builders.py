@@ -94,7 +94,7 @@ def build_model(spec: ModelSpec, vocab_size: int, device: torch.device, seed: in
         load_init_weights(model, spec.init)
     model = model.to(device)
     model.set_attention_impl(spec.attention)
-    model.set_expert_qat(spec.qat_group_size)
+    model.set_expert_qat(spec.qat_group_size, spec.qat_bits)
     return model
 
 
