@@ -148,6 +148,16 @@ def test_qat_proof_driver_runs_every_stage(tmp_path):
     results = json.loads((tmp_path / "qat_proof.json").read_text())["results"]
     assert results["FP"]["agreement"] == [1.0] and set(results) == {"FP", "PTQ", "QAT"}
     assert (tmp_path / "seed0" / "qat-int4" / "config.json").is_file()
+    # a coarser width: the FP run is reused, QAT trains at 2 bits, the deployed experts are rounded
+    out = run_bench(
+        "qat_proof.py", "--seeds", "0", "--steps", "2", "--out", str(tmp_path), "--heldout", "8",
+        "--loss-conversations", "4", "--gen-prompts", "2", "--gen-tokens", "4", "--bits", "2",
+    )  # fmt: skip
+    assert "2-bit routed experts" in out
+    two = json.loads((tmp_path / "qat_proof-int2.json").read_text())
+    assert two["bits"] == 2 and set(two["results"]) == {"FP", "PTQ", "QAT"}
+    assert two["results"]["FP"] == results["FP"]  # the same FP run, scored the same
+    assert (tmp_path / "seed0" / "qat-int2-deployed" / "config.json").is_file()
 
 
 def test_paged_decode_benchmark_prints_its_tables():
