@@ -20,7 +20,8 @@ PTQ and QAT is scored by
 Reruns skip finished runs (the FP runs are shared by every --bits). Prints the table (mean and
 spread over seeds) and, for eval loss and accuracy, the PTQ gap against the FP seeds' spread and
 the share QAT closes; writes OUT/qat_proof.json (OUT/qat_proof-intB.json for 3 or 2 bits). The bar
-(docs/results.md): the PTQ gap exceeds the seed spread, and QAT closes at least half of it.
+(docs/model.md): the PTQ gap, paired by seed, exceeds the spread of its per-seed values, and QAT
+closes at least half of it.
 """
 
 from __future__ import annotations
@@ -221,22 +222,25 @@ def main() -> None:
         cells = [f"{statistics.mean(v):.4f} (spread {spread(v):.4f})" for v in m.values()]
         print(f"| {name} | " + " | ".join(cells) + " |")
     summary = {}
-    # the PTQ gap of each metric, in the direction that is worse (loss up, accuracy down), against the
-    # FP seeds' spread, and the share of it QAT's deployed model wins back
+    # Paired by seed: the PTQ gap is PTQ - FP of the same run (in the worse direction: loss up,
+    # accuracy down), against the spread of those per-seed gaps (the FP levels themselves move much
+    # more between seeds than the gap does); QAT closes (QAT - PTQ) / (FP - PTQ) of it, by the means.
     for metric, worse in (("eval_loss", 1.0), ("accuracy", -1.0)):
+        per_seed = [worse * (p - f) for p, f in zip(results["PTQ"][metric], results["FP"][metric])]
+        gap, noise = statistics.mean(per_seed), spread(per_seed)
         mean = {k: statistics.mean(v[metric]) for k, v in results.items()}
-        gap = worse * (mean["PTQ"] - mean["FP"])
-        noise = spread(results["FP"][metric])
-        closed = worse * (mean["PTQ"] - mean["QAT"]) / gap if gap > 0 else float("nan")
-        summary[metric] = {"gap": gap, "noise": noise, "closed": closed}
+        closed = worse * (mean["QAT"] - mean["PTQ"]) / gap if gap > 0 else float("nan")
+        summary[metric] = {"gap_per_seed": per_seed, "gap": gap, "noise": noise, "closed": closed}
+        seeds = ", ".join(f"{g:+.4f}" for g in per_seed)
         if gap > noise and len(args.seeds) > 1:
             print(
-                f"\nPTQ gap ({metric}) {gap:+.4f} > the FP seed spread {noise:.4f}; QAT closes {closed:.0%} of it"
+                f"\nPTQ gap ({metric}, worse by) {gap:+.4f} (per seed {seeds}; spread {noise:.4f}); "
+                f"QAT closes {closed:.0%} of it"
             )
         else:
             print(
-                f"\nPTQ gap ({metric}) {gap:+.4f}, FP seed spread {noise:.4f} ({len(args.seeds)} seed(s)): no gap "
-                "beyond the seed noise to close at this width"
+                f"\nPTQ gap ({metric}, worse by) {gap:+.4f} (per seed {seeds}; spread {noise:.4f}, "
+                f"{len(args.seeds)} seed(s)): no gap beyond the seed noise to close at this width"
             )
     name = "qat_proof.json" if args.bits == 4 else f"qat_proof-int{args.bits}.json"
     (args.out / name).write_text(json.dumps({"bits": args.bits, "results": results, **summary}, indent=2))
