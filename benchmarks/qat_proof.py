@@ -18,8 +18,8 @@ PTQ and QAT is scored by
   - held-out accuracy: greedy answers to 400 held-out additions, the math reward
     (`k2_rl.evaluate`, the ruler `k2 rl` uses).
 Reruns skip finished runs (the FP runs are shared by every --bits). Prints the table (mean and
-spread over seeds) and, for eval loss and accuracy, the PTQ gap against the FP seeds' spread and
-the share QAT closes; writes OUT/qat_proof.json (OUT/qat_proof-intB.json for 3 or 2 bits). The bar
+spread over seeds) and, for eval loss and accuracy, the PTQ gap paired by seed against the spread of
+its per-seed values, and the share QAT closes; writes OUT/qat_proof.json (OUT/qat_proof-intB.json for 3 or 2 bits). The bar
 (docs/model.md): the PTQ gap, paired by seed, exceeds the spread of its per-seed values, and QAT
 closes at least half of it.
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -76,6 +77,7 @@ def fake_quantized(src: Path, out: Path, bits: int, group_size: int = 32) -> Pat
                 if isinstance(w, torch.nn.Parameter) and w.dim() == 3:  # stacked routed experts
                     w.copy_(fake_quantize_int(w, bits, group_size))
     tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # a half-written one from an interrupted run
     model.save_pretrained(str(tmp))
     load_tokenizer(src).save(tmp)
     tmp.rename(out)
