@@ -99,6 +99,7 @@ class Episode:
     turns: int = 0
     calls: int = 0
     malformed_calls: int = 0  # call markup the parser dropped (no argument marker, bad JSON, ...)
+    tool_errors: int = 0  # calls the environment answered with an error (`Error: ...`)
     finish: str = ""  # answer | done | turns | tokens | error ("" while open)
     answer: str = ""
     error: str | None = None
@@ -125,6 +126,7 @@ class Episode:
             "turns": self.turns,
             "calls": self.calls,
             "malformed_calls": self.malformed_calls,
+            "tool_errors": self.tool_errors,
             "finish": self.finish,
             "reward": self.reward,
             "success": self.success,
@@ -216,6 +218,7 @@ class EpisodeRunner:
         except EnvFailure as err:
             self._fail(e, err)
             return
+        e.tool_errors += sum(r.startswith("Error") for r in results)
         cap = self.ep_cfg.max_tool_result_chars
         for call, r in zip(calls, results):
             text = r if len(r) <= cap else r[:cap] + f"\n[... cut at {cap} characters]"
@@ -413,7 +416,7 @@ def episode_batch(eps: Sequence[Episode], rewards: Sequence[float], pad_id: int)
 
 
 def episode_metrics(eps: Sequence[Episode]) -> dict[str, Any]:
-    """Reward, strict success, turns, calls, finishes, environment errors, score parts and the
+    """Reward, strict success, turns, calls, failed calls, finishes, environment errors, score parts and the
     continuity metric per tool turn (rate of equal re-renders; first differing position)."""
     n = len(eps)
     finishes = Counter(e.finish for e in eps)
@@ -424,6 +427,7 @@ def episode_metrics(eps: Sequence[Episode]) -> dict[str, Any]:
         "turns_mean": statistics.mean(e.turns for e in eps),
         "tool_calls_mean": statistics.mean(e.calls for e in eps),
         "malformed_calls_mean": statistics.mean(e.malformed_calls for e in eps),
+        "tool_errors_mean": statistics.mean(e.tool_errors for e in eps),
         "policy_tokens_mean": statistics.mean(e.policy_tokens for e in eps),
         "episode_tokens_mean": statistics.mean(len(e.ids) for e in eps),
         "env_errors": len(errors),
@@ -441,6 +445,17 @@ def episode_metrics(eps: Sequence[Episode]) -> dict[str, Any]:
     return out
 
 
+def split_success(eps: Sequence[Episode], tasks: Sequence[dict]) -> dict[str, float]:
+    """Strict success per task `split` (e.g. the kvstore held-out columns values, compositions,
+    tools) as `heldout_accuracy_<split>`; {} when no task names one. One episode per task."""
+    by: dict[str, list[bool]] = {}
+    for e in eps:
+        split = tasks[e.task_index].get("split")
+        if split is not None:
+            by.setdefault(str(split), []).append(e.success)
+    return {f"heldout_accuracy_{k}": sum(v) / len(v) for k, v in sorted(by.items())}
+
+
 __all__ = [
     "EnvFailure",
     "Episode",
@@ -451,6 +466,7 @@ __all__ = [
     "first_difference",
     "guarded",
     "iteration_table",
+    "split_success",
 ]
 
 

@@ -270,6 +270,7 @@ class _Loop:
         self.env_maker = None
         if cfg.episodes.env is not None:  # multi-turn episodes (k2_rl.episodes): the environment's tasks
             from k2_rl.envs import get_env
+            from k2_rl.envs.expert import heldout_tasks
             from k2_rl.tasks import read_env_tasks
 
             if info.enabled:
@@ -280,7 +281,9 @@ class _Loop:
             n_tasks, n_held = cfg.episodes.env_tasks, cfg.eval_prompts or 16
             self.tasks = read_env_tasks(cfg.tasks) if cfg.tasks else self.env_maker.tasks(n_tasks, cfg.seed)
             self.heldout = (
-                read_env_tasks(cfg.heldout) if cfg.heldout else self.env_maker.tasks(n_held, cfg.seed + 1)
+                read_env_tasks(cfg.heldout)
+                if cfg.heldout
+                else heldout_tasks(self.env_maker, n_held, cfg.seed + 1)
             )
         elif cfg.tasks is None:
             data = run_dir / "data"
@@ -560,6 +563,8 @@ class _Loop:
         """Greedy held-out accuracy (every rank enters; rank 0's numbers, {} elsewhere)."""
         main = self.info.is_main
         if self.episodes is not None:  # greedy episodes: strict success on the held-out tasks
+            from k2_rl.episodes import split_success
+
             eps = self.episodes.rollout(
                 self.engine.generate, self.heldout, 1, temperature=0.0, top_p=1.0, seed=0
             )
@@ -567,6 +572,7 @@ class _Loop:
                 "heldout_accuracy": sum(e.success for e in eps) / len(eps),
                 "heldout_reward": statistics.mean(e.reward for e in eps),
                 "heldout_response_tokens": statistics.mean(e.policy_tokens for e in eps),
+                **split_success(eps, self.heldout),
             }
         prompts = [self.render(t["messages"]) for t in self.heldout] if main else []
         samples = self.engine.generate(

@@ -22,7 +22,7 @@ from typing import Any
 
 from k2_rl.envs.base import Score, Step, run_calls
 from k2_rl.envs.calculator import LiveServer
-from k2_rl.envs.kvstore import make_task, score_store
+from k2_rl.envs.kvstore import heldout_tasks, make_task, rename_tools, renamed, score_store
 
 
 def _listed(text: str) -> list[str]:
@@ -36,6 +36,7 @@ class KVStoreMCPEnv:
     def __init__(self, server: LiveServer, namespace: str) -> None:
         self.server, self.ns = server, namespace
         self.task: dict = {}
+        self.names: dict[str, str] = {}
         self.made: list[tuple[str, Any, bool]] = []
 
     # what the policy's calls become on the server, and what it sees of the answers
@@ -54,6 +55,7 @@ class KVStoreMCPEnv:
         if "expected_state" not in task:
             raise ValueError("kvstore task: no field 'expected_state'")
         self.task, self.made = task, []
+        self.names = renamed(task)
         for coll, recs in (task.get("initial_state") or {}).items():
             if coll != "kv":
                 raise ValueError(
@@ -61,12 +63,17 @@ class KVStoreMCPEnv:
                 )
             for key, rec in recs.items():
                 self.server.call("kv_set", {"key": self.ns + key, "value": str(rec["value"])})
-        return list(task["messages"]), self.server.specs
+        return list(task["messages"]), rename_tools(self.server.specs, self.names)
 
     def step(self, tool_calls: list[dict]) -> Step:
         from k2_data.agentic.mcp_import import MCPToolError
 
+        inward = {shown: real for real, shown in self.names.items()}
+
         def call(name: str, args: dict) -> str:
+            if self.names and name not in inward:  # the real names are hidden too
+                raise MCPToolError(f"unknown tool {name!r}")
+            name = inward.get(name, name)
             return self.server.call(name, self._inward(name, args))
 
         results = run_calls(tool_calls, call, (MCPToolError,), self.made)
@@ -105,6 +112,9 @@ class KVStoreMCPMaker:
     def tasks(self, n: int, seed: int) -> list[dict]:
         rng = random.Random(seed)
         return [make_task(rng) for _ in range(n)]
+
+    def heldout_tasks(self, n: int, seed: int) -> list[dict]:
+        return heldout_tasks(n, seed)
 
     def close(self) -> None:
         if self.server is not None:
