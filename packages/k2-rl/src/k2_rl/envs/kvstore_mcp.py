@@ -21,8 +21,8 @@ import random
 from typing import Any
 
 from k2_rl.envs.base import Score, Step, run_calls
-from k2_rl.envs.calculator import LiveServer
 from k2_rl.envs.kvstore import heldout_tasks, make_task, rename_tools, renamed, score_store
+from k2_rl.envs.live import LiveServer, SharedServerMaker
 
 
 def _listed(text: str) -> list[str]:
@@ -96,18 +96,16 @@ class KVStoreMCPEnv:
             self.server.call("kv_delete", {"key": full})
 
 
-class KVStoreMCPMaker:
+class KVStoreMCPMaker(SharedServerMaker):
     name = "kvstore-mcp"
+    server_name = "kvstore"
 
     def __init__(self, timeout_s: float = 30.0) -> None:
-        self.timeout_s = timeout_s
-        self.server: LiveServer | None = None
+        super().__init__(timeout_s)
         self._episodes = itertools.count()
 
     def __call__(self) -> KVStoreMCPEnv:
-        if self.server is None:  # started on the first episode, shared by the rest
-            self.server = LiveServer("kvstore", self.timeout_s)
-        return KVStoreMCPEnv(self.server, f"~ep{next(self._episodes)}~")
+        return KVStoreMCPEnv(self.live(), f"~ep{next(self._episodes)}~")
 
     def tasks(self, n: int, seed: int) -> list[dict]:
         rng = random.Random(seed)
@@ -115,8 +113,3 @@ class KVStoreMCPMaker:
 
     def heldout_tasks(self, n: int, seed: int) -> list[dict]:
         return heldout_tasks(n, seed)
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            self.server = None
