@@ -1,6 +1,12 @@
 """Agentic RL at small scale: RL on a tool environment against SFT continued, on held-out tasks
 that cannot be gamed.
 
+0. With --base-steps N, a base model first: `k2 pretrain` of the student's shape for N steps on
+   this Python's standard library source mixed half and half with synthetic copy documents (a
+   random sequence of the tokenizer's words, then the same sequence again), which train every word's
+   embedding, held-out ones included, and reward copying; its copy probe (greedy accuracy on the
+   second half of repeated random word sequences, training and held-out pools) is reported.
+   Without it the student starts from random weights (`--model-overrides`).
 1. Data (`python -m k2_rl.envs.expert --env ENV`): expert episodes for SFT, RL tasks and
    in-distribution tasks from the training word pool, and held-out tasks whose keys and values
    come from the hash-disjoint held-out pool, in three columns (`split`): `values` (the trained
@@ -18,7 +24,8 @@ The target: RL's held-out strict success at least 10 points above the baseline's
 than twice its spread over the seeds.
 
     python benchmarks/agentic_rl_proof.py [--seeds 0 1 2] [--iterations 40] [--sft-steps 3000]
-        [--out runs/agentic-rl-proof] [--sft-args "..."] [--rl-args "..."] [--data-args "..."]
+        [--base-steps 0 | --base RUN] [--out runs/agentic-rl-proof] [--sft-args "..."]
+        [--rl-args "..."] [--data-args "..."]
 
 Reruns skip finished runs and continue interrupted ones (`--resume`), so seeds can run in the
 background over several sittings (one `--seeds N` per process). Writes OUT/results.json,
@@ -51,6 +58,59 @@ RL_DEFAULTS = (
     "--eval-every 10 --eval-prompts 150 --lr 1e-3 --adamw-lr 2e-4"
 )
 SPLITS = ("values", "compositions", "tools")
+BASE_ARGS = "--optimizer muonclip --lr 0.02 --tau 30 --seq-len 512 --batch 16 --max-corpus-mb 16 --eval-every 0 --save-every 250"
+
+
+def copy_corpus(path: Path, n_docs: int = 40_000, seed: int = 0) -> Path:
+    """Synthetic copy documents: 6-30 random words of the default tokenizer (every alphabetic token
+    of 3-10 letters), a newline, the same words again. Written once (atomically)."""
+    if path.is_file():
+        return path
+    import random
+    import re
+
+    from k2_data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    vocab = sorted({tok.decode([i]).strip() for i in range(tok.num_base_tokens)} - {""})
+    vocab = [w for w in vocab if re.fullmatch(r"[A-Za-z]{3,10}", w)]
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as f:
+        for _ in range(n_docs):
+            seq = " ".join(rng.choice(vocab) for _ in range(rng.randint(6, 30)))
+            f.write(json.dumps({"text": f"{seq}\n{seq}\n"}) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def copy_probe(init: str | Path, n_seqs: int = 8, length: int = 40) -> dict[str, float]:
+    """Greedy next-token accuracy on the second half of `length` random pool words repeated once,
+    per kvstore word pool: what the model copies without any task format (0 without a copy circuit)."""
+    import random
+
+    import torch
+    from k2_data.tokenizer import load_tokenizer
+    from k2_rl.envs.kvstore import pool
+    from k2_rl.evaluate import load_policy
+
+    tok, model = load_tokenizer(), load_policy(init)
+    rng, out = random.Random(0), {}
+    for name in ("train", "heldout"):
+        hit = n = 0
+        for _ in range(n_seqs):
+            ids = []
+            for w in rng.sample(pool(name), length):
+                enc = tok.encode(" " + w)
+                ids.append((enc.ids if hasattr(enc, "ids") else enc)[0])
+            ids += ids
+            with torch.no_grad():
+                pred = model(torch.tensor([ids])).logits[0, length - 1 : -1].argmax(-1).tolist()
+            hit += sum(p == t for p, t in zip(pred, ids[length:]))
+            n += length
+        out[name] = hit / n
+    return out
 
 
 def data(out: Path, env: str, data_args: str) -> Path:
@@ -93,6 +153,53 @@ def evaluate(init: str | Path, env: str, tasks: Path, rl_cfg: dict, cache: Path)
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(r, indent=1))
     return r
+
+
+def argument_probe(init: str | Path, records: list[dict]) -> dict[str, float]:
+    """Teacher-forced: the share of argument-value tokens (the words inside tool-call arguments,
+    not the field names) that are the model's argmax given the right prefix, and their mean
+    negative log-likelihood; what greedy decoding of the calls needs, per token."""
+    import torch
+    from k2_data.chat import render_ids
+    from k2_data.chat.markers import ARGUMENT_BEGIN, CALL_END
+    from k2_rl.evaluate import load_policy
+    from k2_rl.loop import load_tokenizer_for
+
+    tok, model = load_tokenizer_for(str(init)), load_policy(init)
+    begin, end = tok.token_to_id(ARGUMENT_BEGIN), tok.token_to_id(CALL_END)
+    hit, nll = [], []
+    for r in records:
+        ids = render_ids(tok, r["messages"], r["tools"])
+        with torch.no_grad():
+            logp = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        inside = False
+        for i in range(1, len(ids)):
+            inside = (inside or ids[i] == begin) and ids[i] != end
+            word = tok.decode([ids[i]])
+            if inside and ids[i] != begin and word.isalpha() and word not in ("key", "value"):
+                hit.append(int(logp[i - 1].argmax()) == ids[i])
+                nll.append(-float(logp[i - 1, ids[i]]))
+    return {"accuracy": sum(hit) / max(1, len(hit)), "nll": sum(nll) / max(1, len(nll)), "tokens": len(hit)}
+
+
+def probe(init: str, env: str, n: int = 24) -> dict:
+    """The copy probe and the argument probe of `init` on expert conversations of fresh training-pool
+    tasks and of held-out `values` tasks."""
+    from k2_rl.envs import get_env
+    from k2_rl.envs.expert import expert_episode
+    from k2_rl.envs.kvstore import heldout_tasks
+
+    maker = get_env(env)
+    try:
+        train = [expert_episode(maker, t) for t in maker.tasks(n, 9_000_009)]
+        held = [expert_episode(maker, t) for t in heldout_tasks(3 * n, 9_000_009) if t["split"] == "values"]
+    finally:
+        maker.close()
+    return {
+        "copy_probe": copy_probe(init),
+        "arguments_train": argument_probe(init, [r for r in train if r]),
+        "arguments_heldout": argument_probe(init, [r for r in held if r]),
+    }
 
 
 def _series(run: Path, key: str) -> list[tuple[int, float]]:
@@ -150,19 +257,50 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "agentic-rl-proof")
     ap.add_argument("--model-overrides", default=json.dumps(MODEL), help="the student's K2 shape (JSON)")
     ap.add_argument(
+        "--base", default=None, help="a pretrained run (k2 pretrain --out DIR) the student's SFT starts from"
+    )
+    ap.add_argument(
+        "--base-steps",
+        type=int,
+        default=0,
+        help="pretrain OUT/base for N steps first (step 0 above); 0: none",
+    )
+    ap.add_argument("--base-args", default=BASE_ARGS, help=f"flags of k2 pretrain for the base ({BASE_ARGS})")
+    ap.add_argument(
         "--data-args", default=DATA_DEFAULTS, help=f"python -m k2_rl.envs.expert flags ({DATA_DEFAULTS})"
     )
     ap.add_argument("--sft-args", default=SFT_DEFAULTS, help=f"flags of both k2 sft runs ({SFT_DEFAULTS})")
     ap.add_argument("--rl-args", default=RL_DEFAULTS, help=f"flags of k2 rl ({RL_DEFAULTS})")
     ap.add_argument("--report-only", action="store_true", help="tables and plots from the finished seeds")
+    ap.add_argument(
+        "--probe", metavar="RUN", help="only print the copy and argument probes of RUN (a run or a state dir)"
+    )
     args = ap.parse_args()
+    if args.probe:
+        print(json.dumps(probe(args.probe, args.env), indent=1))
+        return 0
 
     out = args.out
     d = data(out, args.env, args.data_args)
+    base_probe = None
+    if args.base_steps and not args.base:
+        args.base = str(out / "base")
+        if not args.report_only:
+            mix = f"stdlib:0.5,{copy_corpus(d / 'copy.jsonl')}:0.5"
+            train(Path(args.base), "step", args.base_steps, "pretrain", "--data", mix, "--steps", str(args.base_steps),
+                  "--model-overrides", args.model_overrides, *args.base_args.split())  # fmt: skip
+    if args.base:
+        step = max((r["step"] for r in rows(Path(args.base)) if r.get("step") is not None), default=0)
+        probe_file = Path(args.base) / f"copy_probe-step{step}.json"
+        if not probe_file.is_file():
+            probe_file.write_text(json.dumps(copy_probe(args.base)))
+        base_probe = json.loads(probe_file.read_text())
+        print(f"base {args.base}: copy probe {base_probe}", flush=True)
     results: dict = {
         "machine": machine(), "env": args.env, "iterations": args.iterations, "sft_steps": args.sft_steps,
         "data_args": args.data_args, "sft_args": args.sft_args, "rl_args": args.rl_args,
-        "model_overrides": json.loads(args.model_overrides), "seeds": {}, "scripted": {},
+        "model_overrides": json.loads(args.model_overrides), "base": args.base, "base_steps": args.base_steps,
+        "base_copy_probe": base_probe, "seeds": {}, "scripted": {},
     }  # fmt: skip
     for seed in args.seeds:
         t0 = time.perf_counter()
@@ -170,8 +308,9 @@ def main() -> int:
         sdir = out / f"seed{seed}"
         sft, rl = sdir / "sft", sdir / "rl"
         if not args.report_only:
+            shape = ["--init", args.base] if args.base else ["--model-overrides", args.model_overrides]
             train(sft, "step", args.sft_steps, "sft", "--data", str(d / "sft.jsonl"), "--steps", str(args.sft_steps),
-                  "--model-overrides", args.model_overrides, *s, *args.sft_args.split())  # fmt: skip
+                  *shape, *s, *args.sft_args.split())  # fmt: skip
             train(rl, "iteration", args.iterations, "rl", "--init", str(sft), "--env", args.env,
                   "--tasks", str(d / "tasks.jsonl"), "--heldout", str(d / "heldout.jsonl"),
                   "--iterations", str(args.iterations), *s, *args.rl_args.split())  # fmt: skip

@@ -52,3 +52,18 @@ def test_a_mixed_run_trains_and_bad_specs_name_the_flag(tmp_path, two_corpora):
         prepare_tokenized(_cfg(tmp_path, f"{raw}:x,{reph}:1"))
     with pytest.raises(FileNotFoundError, match="--data .*missing"):
         prepare_tokenized(_cfg(tmp_path, f"{tmp_path / 'missing'}:1,{reph}:1"))
+
+
+def test_stdlib_names_the_default_corpus_in_a_mixture(tmp_path, two_corpora):
+    raw, _ = two_corpora
+    mixed = prepare_tokenized(_cfg(tmp_path, f"stdlib:0.5,{raw}:0.5", max_corpus_mb=0.05))
+    alone = prepare_tokenized(_cfg(tmp_path, None, max_corpus_mb=0.05))
+    assert isinstance(mixed, list) and mixed[0] == alone  # the same tokenized default corpus
+
+
+def test_a_relative_and_an_absolute_path_share_the_tokenized_cache(tmp_path, two_corpora, monkeypatch):
+    raw, _ = two_corpora
+    monkeypatch.chdir(raw.parent)
+    first = prepare_tokenized(_cfg(tmp_path, raw.name))
+    again = prepare_tokenized(_cfg(tmp_path, str(raw)))  # refused before: "holds shards of a different run"
+    assert first == again

@@ -22,7 +22,7 @@ class DataConfig:
     # None = the running interpreter's standard library source
     data: str | None = _option(
         None,
-        "corpus file/dir or tokenized dir, or sources mixed by weight, e.g. raw:0.5,rephrased:0.5 (None: this Python's standard library source)",
+        "corpus file/dir or tokenized dir, or sources mixed by weight, e.g. raw:0.5,rephrased:0.5 (None, or stdlib in a mixture: this Python's standard library source)",
     )
     tokenizer: str | None = _option(None, "tokenizer dir (default: k2-data's bundled BPE)")
     max_corpus_mb: float = _option(0.0, "use only the first N MB of the default corpus (0 = all)")

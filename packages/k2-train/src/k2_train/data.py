@@ -67,8 +67,14 @@ def prepare_tokenized(cfg: PretrainConfig, workers: int = 0) -> Path | list[Path
     return _prepare_one(cfg, cfg.dataset.data, workers)
 
 
+# A mixture's name for the default corpus (`--data stdlib:0.5,copy.jsonl:0.5`).
+STDLIB = "stdlib"
+
+
 def _prepare_one(cfg: PretrainConfig, data: str | None, workers: int) -> Path:
     tok_config = TokenizeConfig(workers=workers or max(1, min(4, os.cpu_count() or 1)))
+    if data == STDLIB and not Path(data).exists():  # the default corpus, named in a mixture
+        data = None
     if data is not None and (Path(data) / "manifest.json").is_file():
         return Path(data)
     if data is not None and not Path(data).exists():
@@ -87,7 +93,10 @@ def _prepare_one(cfg: PretrainConfig, data: str | None, workers: int) -> Path:
     if files is not None:
         tokenize_corpus(files, cache, tokenizer=cfg.dataset.tokenizer, config=tok_config)
         return cache
-    return ensure_tokenized(data, cache, tokenizer=cfg.dataset.tokenizer, config=tok_config)
+    # the resolved path, as in the cache key: a relative and an absolute spelling of one corpus
+    # share the cache (the shards' plan records the input paths)
+    source = str(Path(data).resolve()) if data else data
+    return ensure_tokenized(source, cache, tokenizer=cfg.dataset.tokenizer, config=tok_config)
 
 
 def build_datasets(
