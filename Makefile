@@ -99,7 +99,7 @@ ARL_OUT       ?= runs/agentic-rl-$(RL_STAMP)
 ARL_ENV       ?= kvstore-mcp
 ARL_MODEL     ?= {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "intermediate_size": 256, "moe_intermediate_size": 64, "n_routed_experts": 4, "num_experts_per_tok": 2}
 ARL_SFT_FLAGS ?= --seq-len 512 --batch 8 --steps 200 --eval-every 0 --save-every 200
-ARL_FLAGS     ?= --iterations 10 --prompts-per-iteration 8 --samples-per-prompt 8 --max-response-tokens 48 --max-turns 3 --eval-every 5
+ARL_FLAGS     ?= --iterations 10 --prompts-per-iteration 8 --samples-per-prompt 8 --max-response-tokens 48 --max-turns 4 --eval-every 5
 agentic-rl-demo: $(STAMP)
 	$(PY) -m k2_rl.envs.expert --env $(ARL_ENV) --out $(ARL_OUT)/data
 	$(VENV)/bin/k2 sft --data $(ARL_OUT)/data/sft.jsonl --model-overrides '$(ARL_MODEL)' $(ARL_SFT_FLAGS) --out $(ARL_OUT)/sft
