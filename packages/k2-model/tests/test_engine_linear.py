@@ -50,3 +50,19 @@ def test_small_fp32_gradients_and_other_devices_take_nn_linear():
     assert x.grad is not None and big.weight.grad is not None
     assert big.weight not in packed._packs
     assert not packed._packs_weight(torch.empty(4096, 256, device="meta"))
+
+
+def test_a_refused_weight_or_input_falls_back_for_itself_not_for_the_process(monkeypatch):
+    torch.manual_seed(0)
+    refused, other = nn.Linear(256, 96).to(torch.bfloat16), nn.Linear(256, 96).to(torch.bfloat16)
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    real = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(packed, "_pack", lambda w: None if w is refused.weight else real(w.detach(), None))
+    with torch.inference_mode():
+        assert torch.equal(packed.linear(refused, x), refused(x))  # F.linear, the same numbers
+        assert packed._packs[refused.weight][1] is None
+        assert rel(packed.linear(other, x), other(x)) <= 2.0**-8
+    assert packed._packs[other.weight][1] is not None and not packed._unavailable
+    with torch.inference_mode(), pytest.raises(RuntimeError):  # a caller's shape error still surfaces
+        packed.linear(other, torch.randn(3, 128).to(torch.bfloat16))
+    assert not packed._unavailable

@@ -14,7 +14,8 @@ so bf16 weights are packed at any size and fp32 ones from `FP32_MIN_ELEMENTS` up
 oneDNN's fixed cost loses at one row). The engine keeps no stale copy: a pack is keyed by the
 weight tensor and its version counter, which every in-place update (`copy_` of a weight sync)
 bumps, so an updated weight is re-packed on its next use. Anything else (CUDA, gradients, a torch
-without the op) is plain `F.linear`.
+without the op) is plain `F.linear`; a weight or input oneDNN refuses falls back for that call or
+weight only, not for the process.
 """
 
 from __future__ import annotations
@@ -47,10 +48,23 @@ def linear(mod: nn.Linear, x: Tensor) -> Tensor:
     entry = _packs.get(w)
     try:
         if entry is None or entry[0] != w._version:
-            entry = _packs[w] = (w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+            entry = _packs[w] = (w._version, _pack(w))
+        if entry[1] is None:  # oneDNN refused this weight: it stays on F.linear until it changes
+            return F.linear(x, w, mod.bias)
         x2 = x.reshape(-1, x.shape[-1])
         y = torch.ops.mkldnn._linear_pointwise(x2, entry[1], mod.bias, "none", [], "")
-    except (AttributeError, RuntimeError, NotImplementedError):  # an op this torch build lacks
+    except (AttributeError, NotImplementedError):  # an op this torch build lacks: F.linear from now on
         _unavailable = True
         return F.linear(x, w, mod.bias)
+    except RuntimeError:  # oneDNN refused this input: F.linear gives the answer (or the real error)
+        return F.linear(x, w, mod.bias)
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _pack(w: Tensor) -> Tensor | None:
+    """The oneDNN-packed copy of `w`, or None when oneDNN refuses it (an error that is about this
+    weight, such as a layout it does not take, rather than about the build)."""
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+    except RuntimeError:
+        return None
