@@ -19,6 +19,19 @@ from pathlib import Path
 
 import pytest
 
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test: tests of tiny models on shared cores, where OpenMP threads
+    cost far more than they gain (8x in the engine tests). Restores the count afterwards."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 REQUIRE_KERNELS = os.environ.get("K2_REQUIRE_KERNELS", "0") == "1"
 KERNEL_SKIP_MARKERS = ("k2_kernels._C", "compiled k2_kernels", "compiled rms_norm kernel", "kernel not built")
 REQUIRE_TEST_DEPS = os.environ.get("K2_REQUIRE_TEST_DEPS", "0") == "1"

@@ -19,12 +19,7 @@ from k2_stack.serve.bridge import default_threads, describe_dtype, serve_dtype
 GAP, LOGPROB = 0.06, 0.15
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the tiny models run on one intra-op thread
 
 
 def test_the_startup_line_says_which_dtype_and_why(monkeypatch):

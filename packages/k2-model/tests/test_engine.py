@@ -26,13 +26,7 @@ YARN = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny: on shared cores, intra-op threads cost far more than they gain (8x here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the tiny models run on one intra-op thread
 
 
 def make_model(yarn: bool = False, q_lora: bool = True, seed: int = 0) -> K2ForCausalLM:

@@ -14,12 +14,7 @@ from k2_model.engine import Engine, EngineThread, SamplingParams, sample_seed
 B = 4  # small blocks: short prompts span many of them
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the tiny models run on one intra-op thread
 
 
 def make_model(seed: int = 0) -> K2ForCausalLM:

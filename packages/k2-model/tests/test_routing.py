@@ -14,13 +14,7 @@ from k2_model import K2Config, K2ForCausalLM
 from k2_model.engine import Engine, SamplingParams
 from k2_model.moe import MoE
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the tiny models run on one intra-op thread
 
 
 def make_model(seed: int = 0) -> K2ForCausalLM:
