@@ -93,8 +93,9 @@ rl-demo: $(STAMP)
 # small K2 on them (the call format), then RL episodes against the environment; ends with the
 # per-iteration table. The default runs the kvstore tasks on the shipped kvstore MCP server, called
 # for real; ARL_ENV=kvstore (the same tasks on the simulator), calculator (the shipped calculator
-# server) or python (the sandbox) for the others; at this model size only the kvstore tasks give
-# rewards to compare (docs/rl.md).
+# server) or python (the sandbox) for the others. The machinery, not learning: a student this small
+# and this briefly trained does not copy the request's values, so no episode succeeds (docs/rl.md;
+# benchmarks/agentic_rl_proof.py is the comparison of RL against more SFT).
 ARL_OUT       ?= runs/agentic-rl-$(RL_STAMP)
 ARL_ENV       ?= kvstore-mcp
 ARL_MODEL     ?= {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "intermediate_size": 256, "moe_intermediate_size": 64, "n_routed_experts": 4, "num_experts_per_tok": 2}
