@@ -113,7 +113,7 @@ def copy_probe(init: str | Path, n_seqs: int = 8, length: int = 40) -> dict[str,
     return out
 
 
-def data(out: Path, env: str, data_args: str) -> Path:
+def data(out: Path, env: str, data_args: str, n_indist: int = 150) -> Path:
     """The expert episodes and task files, plus OUT/data/indist.jsonl: fresh training-pool tasks
     (the trained distribution, none of them an RL task) for the in-distribution column."""
     import subprocess
@@ -126,7 +126,7 @@ def data(out: Path, env: str, data_args: str) -> Path:
 
         maker = get_env(env)
         try:
-            tasks = maker.tasks(150, 7_000_007)
+            tasks = maker.tasks(n_indist, 7_000_007)
         finally:
             maker.close()
         rl = {
@@ -146,9 +146,9 @@ def evaluate(init: str | Path, env: str, tasks: Path, rl_cfg: dict, cache: Path)
     from k2_rl.evaluate import evaluate_env_policy
 
     r = evaluate_env_policy(
-        init, env, tasks, max_turns=rl_cfg["episodes"]["max_turns"],
-        max_response_tokens=rl_cfg["rollouts"]["max_response_tokens"],
-        max_episode_tokens=rl_cfg["episodes"]["max_episode_tokens"],
+        init, env, tasks, max_turns=rl_cfg["max_turns"],
+        max_response_tokens=rl_cfg["max_response_tokens"],
+        max_episode_tokens=rl_cfg["max_episode_tokens"],
     )  # fmt: skip
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(r, indent=1))
@@ -228,7 +228,7 @@ def plot(results: dict, out: Path) -> Path:
         for ax, (key, title) in zip(axes.flat, panels):
             pts = _series(run, key)
             if pts:
-                ax.plot(*zip(*pts), color="tab:blue", ls=ls, alpha=0.8, marker="." if "heldout" in key else None,
+                ax.plot(*zip(*pts), color="tab:blue", ls=ls, alpha=0.8, marker=".",
                         label=f"RL seed {seed}")  # fmt: skip
             ax.set_title(title, fontsize=10)
         axes[1][2].axhline(per["baseline"]["heldout_accuracy"], color="gray", ls=ls, lw=0.9)
@@ -266,6 +266,10 @@ def main() -> int:
         help="pretrain OUT/base for N steps first (step 0 above); 0: none",
     )
     ap.add_argument("--base-args", default=BASE_ARGS, help=f"flags of k2 pretrain for the base ({BASE_ARGS})")
+    ap.add_argument("--copy-docs", type=int, default=40_000, help="synthetic copy documents for the base")
+    ap.add_argument(
+        "--indist", type=int, default=150, help="in-distribution tasks (training pool, not RL tasks)"
+    )
     ap.add_argument(
         "--data-args", default=DATA_DEFAULTS, help=f"python -m k2_rl.envs.expert flags ({DATA_DEFAULTS})"
     )
@@ -281,12 +285,12 @@ def main() -> int:
         return 0
 
     out = args.out
-    d = data(out, args.env, args.data_args)
+    d = data(out, args.env, args.data_args, args.indist)
     base_probe = None
     if args.base_steps and not args.base:
         args.base = str(out / "base")
         if not args.report_only:
-            mix = f"stdlib:0.5,{copy_corpus(d / 'copy.jsonl')}:0.5"
+            mix = f"stdlib:0.5,{copy_corpus(d / 'copy.jsonl', args.copy_docs)}:0.5"
             train(Path(args.base), "step", args.base_steps, "pretrain", "--data", mix, "--steps", str(args.base_steps),
                   "--model-overrides", args.model_overrides, *args.base_args.split())  # fmt: skip
     if args.base:
@@ -376,7 +380,7 @@ def main() -> int:
                            (f"RL ({p['rl_steps']} iterations)", "rl")):  # fmt: skip
             ind = p["student_indist" if key == "student" else f"{key}_indist"]["heldout_accuracy"]
             print(f"| {seed} | {label} | {ind:.1%} | {p[key]['heldout_accuracy']:.1%} | {cols(p[key])} |")
-    for r in results["scripted"].values():
+    for name, r in results["scripted"].items():
         print(f"| - | scripted: {name} | | {r['heldout_accuracy']:.1%} | {cols(r)} |")
     sm = results["summary"]
     print(f"\nRL over SFT continued, held-out: {sm['gap_points']:+.1f} points (per seed "

@@ -160,6 +160,31 @@ def test_qat_proof_driver_runs_every_stage(tmp_path):
     assert (tmp_path / "seed0" / "qat-int2-deployed" / "config.json").is_file()
 
 
+@pytest.mark.slow
+def test_agentic_rl_proof_driver_runs_every_stage(tmp_path):
+    # one seed, every stage at its smallest: the base, the student, RL, the baseline, the rulers
+    out = run_bench(
+        "agentic_rl_proof.py", "--seeds", "0", "--out", str(tmp_path), "--base-steps", "2", "--copy-docs", "200",
+        "--base-args", "--seq-len 64 --batch 2 --max-corpus-mb 0.05 --eval-every 0 --save-every 2 --threads 1",
+        "--sft-steps", "2", "--iterations", "1", "--indist", "6",
+        "--data-args", "--sft 8 --requests 2 --tasks 8 --heldout 6",
+        "--sft-args", "--seq-len 640 --batch 2 --eval-every 0 --save-every 2 --threads 1",
+        "--rl-args", "--prompts-per-iteration 2 --samples-per-prompt 2 --max-response-tokens 16 --max-turns 2 "
+        "--eval-every 1 --eval-prompts 6 --threads 1 --rollout-threads 1",
+    )  # fmt: skip
+    assert (
+        "| seed | policy | in-distribution | held-out (all) | values | compositions | tools (unseen names) |"
+        in out
+    )
+    assert "scripted: nothing" in out and "RL over SFT continued, held-out" in out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["base_copy_probe"]) == {"train", "heldout"}
+    seed = results["seeds"]["0"]
+    assert seed["rl_steps"] == 1 and seed["baseline"]["heldout_n"] == 6
+    assert results["scripted"]["nothing"]["heldout_accuracy"] == 0.0
+    assert (tmp_path / "agentic_rl_proof.png").is_file()
+
+
 def test_paged_decode_benchmark_prints_its_tables():
     out = run_bench("paged_decode.py", "--repeats", "2", "--engine-rounds", "1")
     assert "| attention (one layer) |" in out and "| engine, sequences |" in out
