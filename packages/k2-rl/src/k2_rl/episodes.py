@@ -218,7 +218,7 @@ class EpisodeRunner:
         except EnvFailure as err:
             self._fail(e, err)
             return
-        e.tool_errors += sum(r.startswith("Error") for r in results)
+        e.tool_errors += sum(r.startswith("Error:") for r in results)
         cap = self.ep_cfg.max_tool_result_chars
         for call, r in zip(calls, results):
             text = r if len(r) <= cap else r[:cap] + f"\n[... cut at {cap} characters]"

@@ -95,11 +95,10 @@ def most_frequent_call(tasks: Sequence[dict]) -> dict:
     counts: Counter[str] = Counter()
     first: dict[str, dict] = {}
     for t in tasks:
-        for c in {
-            canonical_call(c["name"], c.get("arguments", {})): c for c in t.get("expected_calls") or []
-        }.items():
-            counts[c[0]] += 1
-            first.setdefault(c[0], c[1])
+        calls = {canonical_call(c["name"], c.get("arguments", {})): c for c in t.get("expected_calls") or []}
+        for key, call in calls.items():  # a task counts once per distinct call
+            counts[key] += 1
+            first.setdefault(key, call)
     if not counts:
         raise ValueError("frequent-call: no held-out task has expected_calls")
     return first[counts.most_common(1)[0][0]]

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m k2_rl.envs.expert", description=__doc__.split("\n\n")[0])
     ap.add_argument("--env", required=True, help="kvstore, kvstore-mcp, calculator or python")
     ap.add_argument("--out", required=True, help="directory for sft.jsonl, tasks.jsonl, heldout.jsonl")
-    ap.add_argument("--sft", type=int, default=400, help="expert episodes to generate")
+    ap.add_argument("--sft", type=int, default=400, help="expert SFT conversations to generate")
     ap.add_argument("--tasks", type=int, default=64, help="RL tasks")
     ap.add_argument("--heldout", type=int, default=32, help="held-out tasks")
     ap.add_argument(
