@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from bench_common import machine
-from rl_proof import config, rows, spread, train
+from rl_proof import config, rows, save_figure, spread, train
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {
@@ -236,16 +236,8 @@ def plot(results: dict, out: Path) -> Path:
     for r in results["scripted"].values():
         axes[1][2].axhline(r["heldout_accuracy"], color="tab:red", lw=0.6, alpha=0.6)
     axes[1][2].plot([], [], color="tab:red", lw=0.6, label="scripted: nothing / frequent call")
-    for ax in axes.flat:
-        ax.set_xlabel("iteration")
-        ax.grid(alpha=0.3)
-    axes[1][2].legend(fontsize=7)
-    fig.suptitle(f"k2 rl --env {results['env']} against SFT continued: {results['machine']}", fontsize=11)
-    fig.tight_layout()
-    path = out / "agentic_rl_proof.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    title = f"k2 rl --env {results['env']} against SFT continued: {results['machine']}"
+    return save_figure(fig, axes[1][2], title, out / "agentic_rl_proof.png", title_size=11)
 
 
 def main() -> int:

@@ -100,13 +100,21 @@ def plot(results: dict, out: Path) -> Path:
         if base is not None:
             axes[0][1].axhline(base, color="gray", ls=styles[n % len(styles)], lw=0.8)
     axes[0][1].plot([], [], color="gray", label="SFT continued (per seed, its line style)")
-    for ax in axes.flat:
+    return save_figure(fig, axes[0][1], f"k2 rl on {results['digits']}-digit addition: {results['machine']}",
+                       out / "rl_proof.png")  # fmt: skip
+
+
+def save_figure(fig, legend_ax, title: str, path: Path, title_size: float | None = None) -> Path:
+    """The proofs' per-iteration panels finished alike: x labelled "iteration", a light grid, the
+    legend on `legend_ax`, the title; saved to `path` and closed."""
+    import matplotlib.pyplot as plt
+
+    for ax in fig.axes:
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
-    axes[0][1].legend(fontsize=7)
-    fig.suptitle(f"k2 rl on {results['digits']}-digit addition: {results['machine']}")
+    legend_ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=title_size)
     fig.tight_layout()
-    path = out / "rl_proof.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -73,6 +73,14 @@ def renamed(task: dict) -> dict[str, str]:
     return {str(k): str(v) for k, v in names.items()}
 
 
+def real_tool(names: dict[str, str], shown: str) -> str | None:
+    """The real name behind the name the policy called, None when the task hides it (a renamed
+    task's real names are hidden too); every name is real when the task renames nothing."""
+    if not names:
+        return shown
+    return {v: k for k, v in names.items()}.get(shown)
+
+
 def rename_tools(tools: list[dict], names: dict[str, str]) -> list[dict]:
     out = []
     for t in tools:
@@ -114,12 +122,10 @@ class KVStoreEnv:
     def step(self, tool_calls: list[dict]) -> Step:
         from k2_data.agentic.simulator import ToolSimError
 
-        inward = {shown: real for real, shown in self.names.items()}
-
         def call(name: str, args: dict) -> str:
-            if self.names and name not in inward:  # the real names are hidden too
+            if (real := real_tool(self.names, name)) is None:
                 raise ToolSimError(f"unknown tool {name!r}")
-            return self.loop.run_until_complete(self.sim.call(inward.get(name, name), args))
+            return self.loop.run_until_complete(self.sim.call(real, args))
 
         results = run_calls(tool_calls, call, (ToolSimError,), self.made)
         return Step(results, done=False, state=self.sim.state.snapshot())

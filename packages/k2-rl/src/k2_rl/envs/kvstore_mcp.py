@@ -21,7 +21,7 @@ import random
 from typing import Any
 
 from k2_rl.envs.base import Score, Step, run_calls
-from k2_rl.envs.kvstore import heldout_tasks, make_task, rename_tools, renamed, score_store
+from k2_rl.envs.kvstore import heldout_tasks, make_task, real_tool, rename_tools, renamed, score_store
 from k2_rl.envs.live import LiveServer, SharedServerMaker
 
 
@@ -68,13 +68,10 @@ class KVStoreMCPEnv:
     def step(self, tool_calls: list[dict]) -> Step:
         from k2_data.agentic.mcp_import import MCPToolError
 
-        inward = {shown: real for real, shown in self.names.items()}
-
         def call(name: str, args: dict) -> str:
-            if self.names and name not in inward:  # the real names are hidden too
+            if (real := real_tool(self.names, name)) is None:
                 raise MCPToolError(f"unknown tool {name!r}")
-            name = inward.get(name, name)
-            return self.server.call(name, self._inward(name, args))
+            return self.server.call(real, self._inward(real, args))
 
         results = run_calls(tool_calls, call, (MCPToolError,), self.made)
         return Step([self._outward(r) for r in results], done=False, state=self.state())
