@@ -2,11 +2,11 @@
 that cannot be gamed.
 
 0. With --base-steps N, a base model first: `k2 pretrain` of the student's shape for N steps on
-   this Python's standard library source mixed half and half with synthetic copy documents (a
-   random sequence of the tokenizer's words, then the same sequence again), which train every word's
-   embedding, held-out ones included, and reward copying; its copy probe (greedy accuracy on the
-   second half of repeated random word sequences, training and held-out pools) is reported.
-   Without it the student starts from random weights (`--model-overrides`).
+   this Python's standard library source mixed with synthetic copy documents (`--copy-share` of
+   the tokens; quoted random words of the tokenizer, either repeated as a whole or each twice in a
+   row), which train every word's embedding and unembedding, held-out ones included, and reward
+   copying; its copy probe (greedy accuracy on the copies, both kinds, training and held-out
+   pools) is reported. Without it the student starts from random weights (`--model-overrides`).
 1. Data (`python -m k2_rl.envs.expert --env ENV`): expert episodes for SFT, RL tasks and
    in-distribution tasks from the training word pool, and held-out tasks whose keys and values
    come from the hash-disjoint held-out pool, in three columns (`split`): `values` (the trained
@@ -24,7 +24,7 @@ The target: RL's held-out strict success at least 10 points above the baseline's
 than twice its spread over the seeds.
 
     python benchmarks/agentic_rl_proof.py [--seeds 0 1 2] [--iterations 40] [--sft-steps 3000]
-        [--base-steps 0 | --base RUN] [--out runs/agentic-rl-proof] [--sft-args "..."]
+        [--base-steps 0 [--copy-share 0.5] | --base RUN] [--out runs/agentic-rl-proof] [--sft-args "..."]
         [--rl-args "..."] [--data-args "..."]
 
 Reruns skip finished runs and continue interrupted ones (`--resume`), so seeds can run in the
@@ -62,8 +62,10 @@ BASE_ARGS = "--optimizer muonclip --lr 0.02 --tau 30 --seq-len 512 --batch 16 --
 
 
 def copy_corpus(path: Path, n_docs: int = 40_000, seed: int = 0) -> Path:
-    """Synthetic copy documents: 6-30 random words of the default tokenizer (every alphabetic token
-    of 3-10 letters), a newline, the same words again. Written once (atomically)."""
+    """Synthetic copy documents over 6-30 random words of the default tokenizer (every alphabetic
+    token of 3-10 letters), each in double quotes as tool-call arguments and the tasks' requests write
+    them (`"poll"` is the bare token `poll`, while ` poll` would be ` po` + `ll`): half of them the
+    words then the same words again, half every word twice in a row. Written once (atomically)."""
     if path.is_file():
         return path
     import random
@@ -78,16 +80,28 @@ def copy_corpus(path: Path, n_docs: int = 40_000, seed: int = 0) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     with tmp.open("w") as f:
-        for _ in range(n_docs):
-            seq = " ".join(rng.choice(vocab) for _ in range(rng.randint(6, 30)))
-            f.write(json.dumps({"text": f"{seq}\n{seq}\n"}) + "\n")
+        for i in range(n_docs):
+            ws = [f'"{rng.choice(vocab)}"' for _ in range(rng.randint(6, 30))]
+            if i % 2:  # every word twice in a row: the copy of a token a fixed distance back
+                text = " ".join(f"{w} {w}" for w in ws) + "\n"
+            else:  # the whole sequence again: copy what followed the previous occurrence (induction)
+                text = f"{' '.join(ws)}\n{' '.join(ws)}\n"
+            f.write(json.dumps({"text": text}) + "\n")
     tmp.replace(path)
     return path
 
 
-def copy_probe(init: str | Path, n_seqs: int = 8, length: int = 40) -> dict[str, float]:
-    """Greedy next-token accuracy on the second half of `length` random pool words repeated once,
-    per kvstore word pool: what the model copies without any task format (0 without a copy circuit)."""
+def _ids(tok, text: str) -> list[int]:
+    enc = tok.encode(text)
+    return list(enc.ids if hasattr(enc, "ids") else enc)
+
+
+def copy_probe(init: str | Path, n_seqs: int = 8, length: int = 30) -> dict[str, dict[str, float]]:
+    """Greedy accuracy on the copies in the two kinds of copy document, per kvstore word pool:
+    `sequence` (`length` quoted random words of the pool, a newline, the same words again: the words
+    of the second half) and `pairs` (every word twice in a row: the second of each pair). Only the
+    word tokens count, not the quotes: what the model copies without any task format (0 without a
+    copy circuit)."""
     import random
 
     import torch
@@ -96,20 +110,31 @@ def copy_probe(init: str | Path, n_seqs: int = 8, length: int = 40) -> dict[str,
     from k2_rl.evaluate import load_policy
 
     tok, model = load_tokenizer(), load_policy(init)
-    rng, out = random.Random(0), {}
+    rng, out = random.Random(0), {"sequence": {}, "pairs": {}}
     for name in ("train", "heldout"):
-        hit = n = 0
-        for _ in range(n_seqs):
-            ids = []
-            for w in rng.sample(pool(name), length):
-                enc = tok.encode(" " + w)
-                ids.append((enc.ids if hasattr(enc, "ids") else enc)[0])
-            ids += ids
-            with torch.no_grad():
-                pred = model(torch.tensor([ids])).logits[0, length - 1 : -1].argmax(-1).tolist()
-            hit += sum(p == t for p, t in zip(pred, ids[length:]))
-            n += length
-        out[name] = hit / n
+        for kind in out:
+            hit = n = 0
+            for _ in range(n_seqs):
+                ws = rng.sample(pool(name), length)
+                if kind == "sequence":
+                    words = ws + ws
+                    half = " ".join(f'"{w}"' for w in ws)
+                    text = f"{half}\n{half}\n"
+                else:
+                    words = [w for w in ws for _ in (0, 1)]
+                    text = " ".join(f'"{w}"' for w in words) + "\n"
+                ids = _ids(tok, text)
+                with torch.no_grad():
+                    pred = model(torch.tensor([ids])).logits[0].argmax(-1).tolist()
+                # pool words are single tokens and no quote token is one, so the word positions in
+                # `ids` are the words of `text` in order
+                vocab = {_ids(tok, w)[0] for w in ws}
+                at = [i for i, t in enumerate(ids) if t in vocab]
+                assert len(at) == len(words), (len(at), len(words))
+                copies = at[length:] if kind == "sequence" else at[1::2]
+                hit += sum(pred[i - 1] == ids[i] for i in copies)
+                n += len(copies)
+            out[kind][name] = hit / n
     return out
 
 
@@ -260,6 +285,12 @@ def main() -> int:
     ap.add_argument("--base-args", default=BASE_ARGS, help=f"flags of k2 pretrain for the base ({BASE_ARGS})")
     ap.add_argument("--copy-docs", type=int, default=40_000, help="synthetic copy documents for the base")
     ap.add_argument(
+        "--copy-share",
+        type=float,
+        default=0.5,
+        help="the copy documents' share of the base's tokens (rest: stdlib)",
+    )
+    ap.add_argument(
         "--indist", type=int, default=150, help="in-distribution tasks (training pool, not RL tasks)"
     )
     ap.add_argument(
@@ -272,6 +303,8 @@ def main() -> int:
         "--probe", metavar="RUN", help="only print the copy and argument probes of RUN (a run or a state dir)"
     )
     args = ap.parse_args()
+    if not 0 < args.copy_share <= 1:
+        ap.error(f"--copy-share must be in (0, 1], got {args.copy_share}")
     if args.probe:
         print(json.dumps(probe(args.probe, args.env), indent=1))
         return 0
@@ -282,12 +315,14 @@ def main() -> int:
     if args.base_steps and not args.base:
         args.base = str(out / "base")
         if not args.report_only:
-            mix = f"stdlib:0.5,{copy_corpus(d / 'copy.jsonl', args.copy_docs)}:0.5"
+            copy = copy_corpus(d / "copy.jsonl", args.copy_docs)
+            share = args.copy_share
+            mix = str(copy) if share >= 1 else f"stdlib:{1 - share:g},{copy}:{share:g}"
             train(Path(args.base), "step", args.base_steps, "pretrain", "--data", mix, "--steps", str(args.base_steps),
                   "--model-overrides", args.model_overrides, *args.base_args.split())  # fmt: skip
     if args.base:
         step = max((r["step"] for r in rows(Path(args.base)) if r.get("step") is not None), default=0)
-        probe_file = Path(args.base) / f"copy_probe-step{step}.json"
+        probe_file = Path(args.base) / f"copy-probe-step{step}.json"
         if not probe_file.is_file():
             probe_file.write_text(json.dumps(copy_probe(args.base)))
         base_probe = json.loads(probe_file.read_text())
