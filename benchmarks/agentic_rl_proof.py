@@ -12,10 +12,12 @@ that cannot be gamed.
    come from the hash-disjoint held-out pool, in three columns (`split`): `values` (the trained
    kinds of task), `compositions` (calls combined in ways no training task shows) and `tools`
    (the trained kinds behind tool names never trained on; reported, no target).
-2. Per seed: `k2 sft` a small K2 on the expert episodes (the student); from it (a) `k2 rl --env
-   ENV` for --iterations and (b) the baseline: `k2 sft --init` the student, continued on the same
-   expert episodes for as many optimizer steps as the RL run took, at the RL run's learning rates
-   (constant).
+2. Per seed: `k2 sft` a small K2 on the expert episodes with --repeat-convs "repeat these words"
+   conversations over the whole vocabulary mixed in, at a tenth of k2 sft's default learning rates
+   (the student: at the default rates SFT replaces the base's copy of any word by a copy of the
+   training pool's words only); from it (a) `k2 rl --env ENV` for --iterations and (b) the
+   baseline: `k2 sft --init` the student, continued on the same data for as many optimizer steps
+   as the RL run took, at the RL run's learning rates (constant).
 3. One ruler for all (`k2_rl.evaluate.evaluate_env_policy`, what `k2 rl --env` logs as
    `heldout_accuracy`): greedy episodes, strict success. The scripted policies `nothing` and
    `frequent-call` are scored on the same held-out tasks: what gaming them gives.
@@ -23,7 +25,7 @@ that cannot be gamed.
 The target: RL's held-out strict success at least 10 points above the baseline's, the gap more
 than twice its spread over the seeds.
 
-    python benchmarks/agentic_rl_proof.py [--seeds 0 1 2] [--iterations 40] [--sft-steps 3000]
+    python benchmarks/agentic_rl_proof.py [--seeds 0 1 2] [--iterations 40] [--sft-steps 600]
         [--base-steps 0 [--copy-share 0.5] | --base RUN] [--out runs/agentic-rl-proof] [--sft-args "..."]
         [--rl-args "..."] [--data-args "..."]
 
@@ -52,13 +54,54 @@ MODEL = {
     "moe_intermediate_size": 64, "n_routed_experts": 4, "num_experts_per_tok": 2,
 }  # fmt: skip
 DATA_DEFAULTS = "--sft 2000 --requests 4 --tasks 512 --heldout 150"
-SFT_DEFAULTS = "--seq-len 1088 --batch 8 --eval-every 0 --save-every 250"
+SFT_DEFAULTS = "--seq-len 1088 --batch 8 --lr 1e-3 --adamw-lr 3e-4 --eval-every 0 --save-every 250"
 RL_DEFAULTS = (
     "--prompts-per-iteration 8 --samples-per-prompt 8 --max-response-tokens 48 --max-turns 4 "
     "--eval-every 10 --eval-prompts 150 --lr 1e-3 --adamw-lr 2e-4"
 )
 SPLITS = ("values", "compositions", "tools")
 BASE_ARGS = "--optimizer muonclip --lr 0.02 --tau 30 --seq-len 512 --batch 16 --max-corpus-mb 16 --eval-every 0 --save-every 250"
+
+
+def copy_vocabulary() -> list[str]:
+    """Every alphabetic token of 3-10 letters of the default tokenizer (3,897 words; both kvstore
+    pools are among them): the words the copy documents and the repeat conversations draw from."""
+    import re
+
+    from k2_data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    vocab = sorted({tok.decode([i]).strip() for i in range(tok.num_base_tokens)} - {""})
+    return [w for w in vocab if re.fullmatch(r"[A-Za-z]{3,10}", w)]
+
+
+def repeat_conversations(sft: Path, n: int, seed: int = 0) -> Path:
+    """`sft` (expert episodes) with `n` conversations mixed in that ask to repeat 2-8 quoted words
+    drawn from the whole vocabulary (`copy_vocabulary`), answered with the same words: copying in the
+    chat format, over every word rather than the training pool only. Written once, beside `sft`."""
+    if n <= 0:
+        return sft
+    path = sft.with_name(f"{sft.stem}-repeat{n}.jsonl")
+    if path.is_file():
+        return path
+    import random
+
+    episodes = sft.read_text().splitlines()
+    tools = json.loads(episodes[0])["tools"]
+    vocab, rng = copy_vocabulary(), random.Random(seed)
+    lines = list(episodes)
+    for _ in range(n):
+        words = " ".join(f'"{rng.choice(vocab)}"' for _ in range(rng.randint(2, 8)))
+        messages = [
+            {"role": "user", "content": f"Repeat these words: {words}"},
+            {"role": "assistant", "content": words},
+        ]
+        lines.append(json.dumps({"messages": messages, "tools": tools}))
+    rng.shuffle(lines)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
+    return path
 
 
 def copy_corpus(path: Path, n_docs: int = 40_000, seed: int = 0) -> Path:
@@ -69,13 +112,8 @@ def copy_corpus(path: Path, n_docs: int = 40_000, seed: int = 0) -> Path:
     if path.is_file():
         return path
     import random
-    import re
 
-    from k2_data.tokenizer import load_tokenizer
-
-    tok = load_tokenizer()
-    vocab = sorted({tok.decode([i]).strip() for i in range(tok.num_base_tokens)} - {""})
-    vocab = [w for w in vocab if re.fullmatch(r"[A-Za-z]{3,10}", w)]
+    vocab = copy_vocabulary()
     rng = random.Random(seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -270,7 +308,7 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--env", default="kvstore", help="kvstore (simulator) or kvstore-mcp (the live server)")
     ap.add_argument("--iterations", type=int, default=40)
-    ap.add_argument("--sft-steps", type=int, default=3000)
+    ap.add_argument("--sft-steps", type=int, default=600)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "agentic-rl-proof")
     ap.add_argument("--model-overrides", default=json.dumps(MODEL), help="the student's K2 shape (JSON)")
     ap.add_argument(
@@ -289,6 +327,12 @@ def main() -> int:
         type=float,
         default=0.5,
         help="the copy documents' share of the base's tokens (rest: stdlib)",
+    )
+    ap.add_argument(
+        "--repeat-convs",
+        type=int,
+        default=2000,
+        help="'repeat these words' conversations over the whole vocabulary mixed into both SFT runs' data",
     )
     ap.add_argument(
         "--indist", type=int, default=150, help="in-distribution tasks (training pool, not RL tasks)"
@@ -329,10 +373,12 @@ def main() -> int:
         print(f"base {args.base}: copy probe {base_probe}", flush=True)
     results: dict = {
         "machine": machine(), "env": args.env, "iterations": args.iterations, "sft_steps": args.sft_steps,
-        "data_args": args.data_args, "sft_args": args.sft_args, "rl_args": args.rl_args,
+        "data_args": args.data_args, "repeat_convs": args.repeat_convs, "sft_args": args.sft_args,
+        "rl_args": args.rl_args,
         "model_overrides": json.loads(args.model_overrides), "base": args.base, "base_steps": args.base_steps,
         "base_copy_probe": base_probe, "seeds": {}, "scripted": {},
     }  # fmt: skip
+    sft_data = repeat_conversations(d / "sft.jsonl", args.repeat_convs)
     for seed in args.seeds:
         t0 = time.perf_counter()
         s = ["--seed", str(seed)]
@@ -340,7 +386,7 @@ def main() -> int:
         sft, rl = sdir / "sft", sdir / "rl"
         if not args.report_only:
             shape = ["--init", args.base] if args.base else ["--model-overrides", args.model_overrides]
-            train(sft, "step", args.sft_steps, "sft", "--data", str(d / "sft.jsonl"), "--steps", str(args.sft_steps),
+            train(sft, "step", args.sft_steps, "sft", "--data", str(sft_data), "--steps", str(args.sft_steps),
                   *shape, *s, *args.sft_args.split())  # fmt: skip
             train(rl, "iteration", args.iterations, "rl", "--init", str(sft), "--env", args.env,
                   "--tasks", str(d / "tasks.jsonl"), "--heldout", str(d / "heldout.jsonl"),
@@ -355,7 +401,7 @@ def main() -> int:
             # warm up to the SFT peak and knock the converged student back)
             lrs = ["--lr", str(rl_cfg["lr"]), "--adamw-lr", str(rl_cfg["adamw_lr"]), "--warmup-steps", "0",
                    "--decay-fraction", "0"]  # fmt: skip
-            train(base, "step", steps, "sft", "--init", str(sft), "--data", str(d / "sft.jsonl"), "--steps", str(steps),
+            train(base, "step", steps, "sft", "--init", str(sft), "--data", str(sft_data), "--steps", str(steps),
                   *s, *args.sft_args.split(), *lrs)  # fmt: skip
         if not (base / "state" / "latest").is_file():
             continue

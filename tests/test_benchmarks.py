@@ -165,7 +165,7 @@ def test_agentic_rl_proof_driver_runs_every_stage(tmp_path):
     # one seed, every stage at its smallest: the base, the student, RL, the baseline, the rulers
     out = run_bench(
         "agentic_rl_proof.py", "--seeds", "0", "--out", str(tmp_path), "--base-steps", "2", "--copy-docs", "200",
-        "--copy-share", "0.7",
+        "--copy-share", "0.7", "--repeat-convs", "4",
         "--base-args", "--seq-len 64 --batch 2 --max-corpus-mb 0.05 --eval-every 0 --save-every 2 --threads 1",
         "--sft-steps", "2", "--iterations", "1", "--indist", "6",
         "--data-args", "--sft 8 --requests 2 --tasks 8 --heldout 6",
@@ -185,6 +185,7 @@ def test_agentic_rl_proof_driver_runs_every_stage(tmp_path):
     assert seed["rl_steps"] == 1 and seed["baseline"]["heldout_n"] == 6
     assert results["scripted"]["nothing"]["heldout_accuracy"] == 0.0
     assert (tmp_path / "agentic_rl_proof.png").is_file()
+    assert len((tmp_path / "data" / "sft-repeat4.jsonl").read_text().splitlines()) == 8 + 4
 
 
 def test_paged_decode_benchmark_prints_its_tables():
