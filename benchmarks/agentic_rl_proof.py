@@ -359,7 +359,7 @@ def main() -> int:
     if args.base_steps and not args.base:
         args.base = str(out / "base")
         if not args.report_only:
-            copy = copy_corpus(d / "copy.jsonl", args.copy_docs)
+            copy = copy_corpus(d / "copy-quoted.jsonl", args.copy_docs)  # not the older unquoted form
             share = args.copy_share
             mix = str(copy) if share >= 1 else f"stdlib:{1 - share:g},{copy}:{share:g}"
             train(Path(args.base), "step", args.base_steps, "pretrain", "--data", mix, "--steps", str(args.base_steps),
