@@ -44,7 +44,10 @@ def test_failures_are_reported_and_never_mix_weights(tmp_path):
         assert r["mismatch_old_kept"] == []
         # direct mode: exactly the reported tensors changed, the rest are the old ones
         assert r["direct"]["raised"] and r["direct_exact"], rank
-        assert 0 < r["direct_applied"] < len(S.make_spec(2))
+        if rank == 1:  # its load of `victim` fails: part of the plan applied, never all of it
+            assert 0 < r["direct_applied"] < len(S.make_spec(2))
+        # rank 0 loads without a fault: how much of the plan it applied before the failure reached
+        # it depends on timing (all of it on a loaded machine); direct_exact checks its report
         assert r["v1_restored"] == []
         # a hung worker: fails within its 3 s timeout (plus scheduling slack), not after
         h = r["hang"]
