@@ -129,11 +129,6 @@ def copy_corpus(path: Path, n_docs: int = 40_000, seed: int = 0) -> Path:
     return path
 
 
-def _ids(tok, text: str) -> list[int]:
-    enc = tok.encode(text)
-    return list(enc.ids if hasattr(enc, "ids") else enc)
-
-
 def copy_probe(init: str | Path, n_seqs: int = 8, length: int = 30) -> dict[str, dict[str, float]]:
     """Greedy accuracy on the copies in the two kinds of copy document, per kvstore word pool:
     `sequence` (`length` quoted random words of the pool, a newline, the same words again: the words
@@ -161,12 +156,12 @@ def copy_probe(init: str | Path, n_seqs: int = 8, length: int = 30) -> dict[str,
                 else:
                     words = [w for w in ws for _ in (0, 1)]
                     text = " ".join(f'"{w}"' for w in words) + "\n"
-                ids = _ids(tok, text)
+                ids = tok.encode(text)
                 with torch.no_grad():
                     pred = model(torch.tensor([ids])).logits[0].argmax(-1).tolist()
                 # pool words are single tokens and no quote token is one, so the word positions in
                 # `ids` are the words of `text` in order
-                vocab = {_ids(tok, w)[0] for w in ws}
+                vocab = {tok.encode(w)[0] for w in ws}
                 at = [i for i, t in enumerate(ids) if t in vocab]
                 assert len(at) == len(words), (len(at), len(words))
                 copies = at[length:] if kind == "sequence" else at[1::2]
