@@ -437,8 +437,13 @@ def main() -> int:
     def cols(r: dict) -> str:
         return " | ".join(f"{r.get(f'heldout_accuracy_{s}', float('nan')):.1%}" for s in SPLITS)
 
-    print(f"\nmachine: {results['machine']}; --env {args.env}; SFT {args.sft_steps} steps, then {args.iterations} "
-          f"RL iterations ({args.rl_args}); greedy strict success\n")  # fmt: skip
+    # the runs' own configs, not this invocation's flags (a --report-only call may pass other defaults)
+    sft_cfg = config(Path(per_seed[0]["rl_run"]).parent / "sft")
+    recipe = ", ".join(f"{k} {rl_cfg[k]}" for k in ("prompts_per_iteration", "samples_per_prompt",
+                       "max_response_tokens", "max_turns", "lr", "adamw_lr"))  # fmt: skip
+    print(f"\nmachine: {results['machine']}; --env {rl_cfg['env']}; SFT {sft_cfg['steps']} steps (lr "
+          f"{sft_cfg['lr']}, adamw lr {sft_cfg['adamw_lr']}), then {rl_cfg['iterations']} RL iterations "
+          f"({recipe}); greedy strict success\n")  # fmt: skip
     print(
         "| seed | policy | in-distribution | held-out (all) | values | compositions | tools (unseen names) |"
     )

@@ -18,10 +18,11 @@ PTQ and QAT is scored by
   - held-out accuracy: greedy answers to 400 held-out additions, the math reward
     (`k2_rl.evaluate`, the ruler `k2 rl` uses).
 Reruns skip finished runs (the FP runs are shared by every --bits). Prints the table (mean and
-spread over seeds) and, for eval loss and accuracy, the PTQ gap paired by seed against the spread of
-its per-seed values, and the share QAT closes; writes OUT/qat_proof.json (OUT/qat_proof-intB.json for 3 or 2 bits). The bar
-(docs/model.md): the PTQ gap, paired by seed, exceeds the spread of its per-seed values, and QAT
-closes at least half of it.
+spread over seeds) and, for eval loss and accuracy, the PTQ gap paired by seed with the 95%
+confidence interval of its mean (Student t over the per-seed gaps) and the spread of its per-seed
+values, and the share QAT closes; writes OUT/qat_proof.json (OUT/qat_proof-intB.json for 3 or 2
+bits). The bar (docs/model.md): the PTQ gap, paired by seed, exceeds the seed noise (its 95%
+interval excludes zero), and QAT closes at least half of it.
 """
 
 from __future__ import annotations
@@ -122,6 +123,18 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 def spread(values: list[float]) -> float:
     return max(values) - min(values) if len(values) > 1 else 0.0
+
+
+# Student t, two-sided 95%, by degrees of freedom (a table: scipy is not a dependency)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def ci95(values: list[float]) -> float:
+    """Half-width of the 95% confidence interval of the mean of `values` (inf for one value)."""
+    n = len(values)
+    if n < 2:
+        return float("inf")
+    return T95.get(n - 1, 1.96) * statistics.stdev(values) / n**0.5
 
 
 def main() -> None:
@@ -229,20 +242,24 @@ def main() -> None:
     # more between seeds than the gap does); QAT closes (QAT - PTQ) / (FP - PTQ) of it, by the means.
     for metric, worse in (("eval_loss", 1.0), ("accuracy", -1.0)):
         per_seed = [worse * (p - f) for p, f in zip(results["PTQ"][metric], results["FP"][metric])]
-        gap, noise = statistics.mean(per_seed), spread(per_seed)
+        gap, noise = statistics.mean(per_seed), ci95(per_seed)
         mean = {k: statistics.mean(v[metric]) for k, v in results.items()}
         closed = worse * (mean["QAT"] - mean["PTQ"]) / gap if gap > 0 else float("nan")
-        summary[metric] = {"gap_per_seed": per_seed, "gap": gap, "noise": noise, "closed": closed}
+        summary[metric] = {
+            "gap_per_seed": per_seed,
+            "gap": gap,
+            "ci95": noise if noise != float("inf") else None,  # JSON has no Infinity
+            "spread": spread(per_seed),
+            "closed": closed,
+        }
         seeds = ", ".join(f"{g:+.4f}" for g in per_seed)
-        if gap > noise and len(args.seeds) > 1:
-            print(
-                f"\nPTQ gap ({metric}, worse by) {gap:+.4f} (per seed {seeds}; spread {noise:.4f}); "
-                f"QAT closes {closed:.0%} of it"
-            )
+        where = f"per seed {seeds}; 95% interval +-{noise:.4f}, spread {spread(per_seed):.4f}"
+        if gap > noise:
+            print(f"\nPTQ gap ({metric}, worse by) {gap:+.4f} ({where}); QAT closes {closed:.0%} of it")
         else:
             print(
-                f"\nPTQ gap ({metric}, worse by) {gap:+.4f} (per seed {seeds}; spread {noise:.4f}, "
-                f"{len(args.seeds)} seed(s)): no gap beyond the seed noise to close at this width"
+                f"\nPTQ gap ({metric}, worse by) {gap:+.4f} ({where}, {len(args.seeds)} seed(s)): "
+                "no gap beyond the seed noise to close at this width"
             )
     name = "qat_proof.json" if args.bits == 4 else f"qat_proof-int{args.bits}.json"
     (args.out / name).write_text(json.dumps({"bits": args.bits, "results": results, **summary}, indent=2))
