@@ -279,21 +279,27 @@ def plot(results: dict, out: Path) -> Path:
         ("heldout_accuracy", "held-out strict success (greedy)"),
     ]
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
-    styles = ["-", "--", ":", "-."]
+    window = 10  # per-iteration values of 64 episodes are noisy: a trailing mean shows the trend
     for n, (seed, per) in enumerate(results["seeds"].items()):
         run = Path(per["rl_run"])
-        ls = styles[n % len(styles)]
+        color = f"C{n % 10}"
         for ax, (key, title) in zip(axes.flat, panels):
             pts = _series(run, key)
-            if pts:
-                ax.plot(*zip(*pts), color="tab:blue", ls=ls, alpha=0.8, marker=".",
-                        label=f"RL seed {seed}")  # fmt: skip
+            if pts and key == "heldout_accuracy":  # evaluated every few iterations: each point
+                ax.plot(*zip(*pts), color=color, marker=".", label=f"RL seed {seed}")
+            elif pts:
+                xs, ys = zip(*pts)
+                smooth = [sum(ys[max(0, i - window + 1) : i + 1]) / len(ys[max(0, i - window + 1) : i + 1])
+                          for i in range(len(ys))]  # fmt: skip
+                ax.plot(xs, ys, color=color, lw=0.6, alpha=0.25)
+                ax.plot(xs, smooth, color=color, lw=1.6, label=f"seed {seed} ({window}-iteration mean)")
             ax.set_title(title, fontsize=10)
-        axes[1][2].axhline(per["baseline"]["heldout_accuracy"], color="gray", ls=ls, lw=0.9)
-    axes[1][2].plot([], [], color="gray", label="SFT continued (per seed, its line style)")
+        axes[1][2].axhline(per["baseline"]["heldout_accuracy"], color=color, ls="--", lw=0.9)
+    axes[0][0].legend(fontsize=8)
+    axes[1][2].plot([], [], color="gray", ls="--", label="SFT continued (its seed's color)")
     for r in results["scripted"].values():
-        axes[1][2].axhline(r["heldout_accuracy"], color="tab:red", lw=0.6, alpha=0.6)
-    axes[1][2].plot([], [], color="tab:red", lw=0.6, label="scripted: nothing / frequent call")
+        axes[1][2].axhline(r["heldout_accuracy"], color="black", lw=0.6, alpha=0.6)
+    axes[1][2].plot([], [], color="black", lw=0.6, label="scripted: nothing / frequent call")
     title = f"k2 rl --env {results['env']} against SFT continued: {results['machine']}"
     return save_figure(fig, axes[1][2], title, out / "agentic_rl_proof.png", title_size=11)
 
