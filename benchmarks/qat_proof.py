@@ -125,8 +125,10 @@ def spread(values: list[float]) -> float:
     return max(values) - min(values) if len(values) > 1 else 0.0
 
 
-# Student t, two-sided 95%, by degrees of freedom (a table: scipy is not a dependency)
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+# Student t, two-sided 95%, by degrees of freedom (a table: scipy is not a dependency); between
+# entries the next smaller df's value is used, which only widens the interval
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+       10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}  # fmt: skip
 
 
 def ci95(values: list[float]) -> float:
@@ -134,7 +136,8 @@ def ci95(values: list[float]) -> float:
     n = len(values)
     if n < 2:
         return float("inf")
-    return T95.get(n - 1, 1.96) * statistics.stdev(values) / n**0.5
+    t = T95[max(df for df in T95 if df <= n - 1)]
+    return t * statistics.stdev(values) / n**0.5
 
 
 def main() -> None:
