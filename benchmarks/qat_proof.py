@@ -140,6 +140,56 @@ def ci95(values: list[float]) -> float:
     return t * statistics.stdev(values) / n**0.5
 
 
+def ptq_gap(results: dict[str, dict[str, list[float]]], metric: str, worse: float) -> dict:
+    """The PTQ gap of `metric`, paired by seed: PTQ - FP of the same run in the worse direction
+    (`worse` 1 for a loss, -1 for an accuracy), its mean against the 95% interval of that mean and
+    the spread of the per-seed gaps (the FP levels move much more between seeds than the gap
+    does), and the share QAT closes, (PTQ - QAT) / (PTQ - FP) in the worse direction, by the means
+    (1: QAT as good as FP; None when there is no positive gap)."""
+    per_seed = [worse * (p - f) for p, f in zip(results["PTQ"][metric], results["FP"][metric])]
+    gap, noise = statistics.mean(per_seed), ci95(per_seed)
+    mean = {k: statistics.mean(v[metric]) for k, v in results.items()}
+    return {
+        "gap_per_seed": per_seed,
+        "gap": gap,
+        "ci95": noise if noise != float("inf") else None,  # JSON has no Infinity
+        "spread": spread(per_seed),
+        "beyond_noise": gap > noise,
+        "closed": worse * (mean["PTQ"] - mean["QAT"]) / gap if gap > 0 else None,
+    }
+
+
+def report(results: dict, setup: dict, out: Path) -> None:
+    """Print the table and the PTQ gaps; write them with the per-seed results and the `setup` (the
+    machine, seeds, steps, bits and model the runs had) to `out`."""
+    seeds = setup["seeds"]
+    print(
+        f"\nmachine: {setup['machine']}; seeds {seeds}, {setup['steps']} SFT steps, {setup['bits']}-bit routed "
+        f"experts, groups of 32; model: tiny preset + {json.dumps(setup['model_overrides'])}\n"
+    )
+    print("| model | eval loss | greedy agreement with FP | held-out accuracy |")
+    print("|---|---|---|---|")
+    for name, m in results.items():
+        cells = [f"{statistics.mean(v):.4f} (spread {spread(v):.4f})" for v in m.values()]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    summary = {}
+    for metric, worse in (("eval_loss", 1.0), ("accuracy", -1.0)):
+        summary[metric] = g = ptq_gap(results, metric, worse)
+        per = ", ".join(f"{v:+.4f}" for v in g["gap_per_seed"])
+        noise = g["ci95"] if g["ci95"] is not None else float("inf")
+        where = f"per seed {per}; 95% interval +-{noise:.4f}, spread {g['spread']:.4f}"
+        if g["beyond_noise"]:
+            print(
+                f"\nPTQ gap ({metric}, worse by) {g['gap']:+.4f} ({where}); QAT closes {g['closed']:.0%} of it"
+            )
+        else:
+            print(
+                f"\nPTQ gap ({metric}, worse by) {g['gap']:+.4f} ({where}, {len(seeds)} seed(s)): "
+                "no gap beyond the seed noise to close at this width"
+            )
+    out.write_text(json.dumps({**setup, "results": results, **summary}, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -166,7 +216,19 @@ def main() -> None:
     )
     ap.add_argument("--gen-prompts", type=int, default=32)
     ap.add_argument("--gen-tokens", type=int, default=48)
+    ap.add_argument(
+        "--report-only", action="store_true", help="the table and the gaps from OUT's stored results, no runs"
+    )
     args = ap.parse_args()
+    result_file = args.out / ("qat_proof.json" if args.bits == 4 else f"qat_proof-int{args.bits}.json")
+    setup = {
+        "machine": machine(load=True), "seeds": args.seeds, "steps": args.steps, "bits": args.bits,
+        "model_overrides": args.model_overrides,
+    }  # fmt: skip
+    if args.report_only:  # what the stored runs had (older files lack the setup: this call's flags)
+        stored = json.loads(result_file.read_text())
+        report(stored["results"], {k: stored.get(k, v) for k, v in setup.items()}, result_file)
+        return
     from k2_data import load_tokenizer
     from k2_data.chat import render_ids
     from k2_rl.evaluate import evaluate_policy, load_policy
@@ -230,42 +292,7 @@ def main() -> None:
                 results[name].setdefault(k, []).append(v)
             print(f"seed {seed} {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in row.items()), flush=True)
 
-    print(
-        f"\nmachine: {machine(load=True)}; seeds {args.seeds}, {args.steps} SFT steps, {args.bits}-bit routed "
-        f"experts, groups of 32; model: tiny preset + {json.dumps(args.model_overrides)}\n"
-    )
-    print("| model | eval loss | greedy agreement with FP | held-out accuracy |")
-    print("|---|---|---|---|")
-    for name, m in results.items():
-        cells = [f"{statistics.mean(v):.4f} (spread {spread(v):.4f})" for v in m.values()]
-        print(f"| {name} | " + " | ".join(cells) + " |")
-    summary = {}
-    # Paired by seed: the PTQ gap is PTQ - FP of the same run (in the worse direction: loss up,
-    # accuracy down), against the spread of those per-seed gaps (the FP levels themselves move much
-    # more between seeds than the gap does); QAT closes (QAT - PTQ) / (FP - PTQ) of it, by the means.
-    for metric, worse in (("eval_loss", 1.0), ("accuracy", -1.0)):
-        per_seed = [worse * (p - f) for p, f in zip(results["PTQ"][metric], results["FP"][metric])]
-        gap, noise = statistics.mean(per_seed), ci95(per_seed)
-        mean = {k: statistics.mean(v[metric]) for k, v in results.items()}
-        closed = worse * (mean["QAT"] - mean["PTQ"]) / gap if gap > 0 else float("nan")
-        summary[metric] = {
-            "gap_per_seed": per_seed,
-            "gap": gap,
-            "ci95": noise if noise != float("inf") else None,  # JSON has no Infinity
-            "spread": spread(per_seed),
-            "closed": closed,
-        }
-        seeds = ", ".join(f"{g:+.4f}" for g in per_seed)
-        where = f"per seed {seeds}; 95% interval +-{noise:.4f}, spread {spread(per_seed):.4f}"
-        if gap > noise:
-            print(f"\nPTQ gap ({metric}, worse by) {gap:+.4f} ({where}); QAT closes {closed:.0%} of it")
-        else:
-            print(
-                f"\nPTQ gap ({metric}, worse by) {gap:+.4f} ({where}, {len(args.seeds)} seed(s)): "
-                "no gap beyond the seed noise to close at this width"
-            )
-    name = "qat_proof.json" if args.bits == 4 else f"qat_proof-int{args.bits}.json"
-    (args.out / name).write_text(json.dumps({"bits": args.bits, "results": results, **summary}, indent=2))
+    report(results, setup, result_file)
 
 
 if __name__ == "__main__":

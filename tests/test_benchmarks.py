@@ -158,6 +158,33 @@ def test_qat_proof_driver_runs_every_stage(tmp_path):
     assert two["bits"] == 2 and set(two["results"]) == {"FP", "PTQ", "QAT"}
     assert two["results"]["FP"] == results["FP"]  # the same FP run, scored the same
     assert (tmp_path / "seed0" / "qat-int2-deployed" / "config.json").is_file()
+    # the report again from the stored results, with the setup the runs had
+    again = run_bench("qat_proof.py", "--out", str(tmp_path), "--bits", "2", "--report-only", "--steps", "7")
+    assert "seeds [0], 2 SFT steps, 2-bit routed experts" in again
+    assert json.loads((tmp_path / "qat_proof-int2.json").read_text())["results"] == two["results"]
+
+
+def test_qat_proof_gap_summary_against_hand_computed_values(monkeypatch):
+    # the bar's arithmetic on numbers worked out by hand: paired gaps, the t interval, QAT's share
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from qat_proof import ci95, ptq_gap
+
+    results = {
+        "FP": {"accuracy": [0.50, 0.60, 0.40], "eval_loss": [0.20, 0.30, 0.25]},
+        "PTQ": {"accuracy": [0.44, 0.52, 0.34], "eval_loss": [0.20, 0.30, 0.25]},
+        "QAT": {"accuracy": [0.49, 0.57, 0.39], "eval_loss": [0.21, 0.31, 0.26]},
+    }
+    acc = ptq_gap(results, "accuracy", -1.0)
+    assert acc["gap_per_seed"] == pytest.approx([0.06, 0.08, 0.06])
+    assert acc["gap"] == pytest.approx(0.2 / 3)
+    # sd of (0.06, 0.08, 0.06) = 0.011547; t(2 df) = 4.303; / sqrt(3)
+    assert acc["ci95"] == pytest.approx(4.303 * 0.0115470 / 3**0.5, rel=1e-4)
+    assert acc["beyond_noise"] and acc["spread"] == pytest.approx(0.02)
+    # QAT's mean 0.4833 against PTQ's 0.4333 and FP's 0.5: it closes 0.05 / 0.0667 = 75%
+    assert acc["closed"] == pytest.approx(0.75)
+    loss = ptq_gap(results, "eval_loss", 1.0)
+    assert loss["gap"] == 0 and loss["closed"] is None and not loss["beyond_noise"]
+    assert ci95([1.0]) == float("inf") and ptq_gap({k: {"m": [1.0]} for k in results}, "m", 1)["ci95"] is None
 
 
 @pytest.mark.slow
