@@ -43,6 +43,26 @@ def test_word_pools_are_disjoint_by_hash_and_cover_the_list():
         pool("test")
 
 
+def test_every_word_is_one_token_bare_and_between_quotes():
+    # the copy probes and the argument probe (benchmarks/agentic_rl_proof.py) find each word by its
+    # single token: a word that split, or merged with a quote, would shift every position after it
+    from k2_data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    quote = tok.encode('"')
+    ids = {}
+    for w in words():
+        (ids[w],) = tok.encode(w)
+        assert tok.encode(f'"{w}"') == quote + [ids[w]] + quote, w
+    # the probes' documents: quoted words joined by spaces; the word tokens appear in order
+    ws = list(words())
+    for i in range(0, len(ws), 64):
+        chunk = ws[i : i + 64]
+        text = " ".join(f'"{w}"' for w in chunk) + "\n"
+        vocab = {ids[w] for w in chunk}
+        assert [t for t in tok.encode(text) if t in vocab] == [ids[w] for w in chunk]
+
+
 def test_training_tasks_never_name_a_held_out_word_and_held_out_tasks_only_held_out_words():
     maker = get_env("kvstore")
     held = set(pool("heldout"))
