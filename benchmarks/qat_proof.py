@@ -164,7 +164,8 @@ def report(results: dict, setup: dict, out: Path) -> None:
     machine, seeds, steps, bits and model the runs had) to `out`."""
     seeds = setup["seeds"]
     print(
-        f"\nmachine: {setup['machine']}; seeds {seeds}, {setup['steps']} SFT steps, {setup['bits']}-bit routed "
+        f"\nmachine: {setup['machine']}; seeds {seeds}, {setup['steps']} SFT steps on {setup['n_sft']} additions, "
+        f"{setup['bits']}-bit routed "
         f"experts, groups of 32; model: tiny preset + {json.dumps(setup['model_overrides'])}\n"
     )
     print("| model | eval loss | greedy agreement with FP | held-out accuracy |")
@@ -197,6 +198,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/qat-proof"))
     ap.add_argument("--heldout", type=int, default=400, help="held-out additions for the accuracy")
     ap.add_argument(
+        "--n-sft",
+        type=int,
+        default=256,
+        help="worked additions the SFT trains on (more: less overfitting, accuracy less seed-dependent; "
+        "a changed count needs a fresh --out, k2 sft refuses to resume a run on other data)",
+    )
+    ap.add_argument(
         "--loss-conversations", type=int, default=64, help="held-out worked additions for the loss"
     )
     ap.add_argument(
@@ -223,7 +231,7 @@ def main() -> None:
     result_file = args.out / ("qat_proof.json" if args.bits == 4 else f"qat_proof-int{args.bits}.json")
     setup = {
         "machine": machine(load=True), "seeds": args.seeds, "steps": args.steps, "bits": args.bits,
-        "model_overrides": args.model_overrides,
+        "n_sft": args.n_sft, "model_overrides": args.model_overrides,
     }  # fmt: skip
     if args.report_only:  # what the stored runs had (older files lack the setup: this call's flags)
         stored = json.loads(result_file.read_text())
@@ -234,10 +242,10 @@ def main() -> None:
     from k2_rl.evaluate import evaluate_policy, load_policy
     from k2_rl.tasks import read_tasks
 
-    data = args.out / "data"
+    data = args.out / ("data" if args.n_sft == 256 else f"data-n{args.n_sft}")
     if not (data / "sft.jsonl").is_file():
         subprocess.run(
-            [sys.executable, "-m", "k2_rl.tasks", "--out", str(data), "--digits", "2", "--n-sft", "256",
+            [sys.executable, "-m", "k2_rl.tasks", "--out", str(data), "--digits", "2", "--n-sft", str(args.n_sft),
              "--n-heldout", str(args.heldout)], check=True, capture_output=True,
         )  # fmt: skip
     held_sft = args.out / "heldout-sft"  # worked additions of another seed: the loss's conversations

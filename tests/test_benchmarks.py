@@ -160,7 +160,7 @@ def test_qat_proof_driver_runs_every_stage(tmp_path):
     assert (tmp_path / "seed0" / "qat-int2-deployed" / "config.json").is_file()
     # the report again from the stored results, with the setup the runs had
     again = run_bench("qat_proof.py", "--out", str(tmp_path), "--bits", "2", "--report-only", "--steps", "7")
-    assert "seeds [0], 2 SFT steps, 2-bit routed experts" in again
+    assert "seeds [0], 2 SFT steps on 256 additions, 2-bit routed experts" in again
     assert json.loads((tmp_path / "qat_proof-int2.json").read_text())["results"] == two["results"]
 
 
