@@ -42,6 +42,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench_common import machine
@@ -264,6 +265,15 @@ def _series(run: Path, key: str) -> list[tuple[int, float]]:
     return [(r["iteration"], r[key]) for r in rows(run) if r.get(key) is not None and "iteration" in r]
 
 
+def trailing_mean(values: Sequence[float], window: int) -> list[float]:
+    """The mean of each value and the up to `window - 1` before it."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot(results: dict, out: Path) -> Path:
     import matplotlib
 
@@ -289,10 +299,9 @@ def plot(results: dict, out: Path) -> Path:
                 ax.plot(*zip(*pts), color=color, marker=".", label=f"RL seed {seed}")
             elif pts:
                 xs, ys = zip(*pts)
-                smooth = [sum(ys[max(0, i - window + 1) : i + 1]) / len(ys[max(0, i - window + 1) : i + 1])
-                          for i in range(len(ys))]  # fmt: skip
                 ax.plot(xs, ys, color=color, lw=0.6, alpha=0.25)
-                ax.plot(xs, smooth, color=color, lw=1.6, label=f"seed {seed} ({window}-iteration mean)")
+                ax.plot(xs, trailing_mean(ys, window), color=color, lw=1.6,
+                        label=f"seed {seed} ({window}-iteration mean)")  # fmt: skip
             ax.set_title(title, fontsize=10)
         axes[1][2].axhline(per["baseline"]["heldout_accuracy"], color=color, ls="--", lw=0.9)
     axes[0][0].legend(fontsize=8)

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 from bench_common import machine, run_k2
+from rl_proof import spread
 
 # The tiny preset with every MLP a routed-expert layer and no shared expert: the experts hold the
 # model's MLP capacity, so quantising them costs something measurable (with the preset's shared
@@ -121,10 +122,6 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return statistics.mean(shares)
 
 
-def spread(values: list[float]) -> float:
-    return max(values) - min(values) if len(values) > 1 else 0.0
-
-
 # Student t, two-sided 95%, by degrees of freedom (a table: scipy is not a dependency); between
 # entries the next smaller df's value is used, which only widens the interval
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
@@ -164,9 +161,9 @@ def report(results: dict, setup: dict, out: Path) -> None:
     machine, seeds, steps, bits and model the runs had) to `out`."""
     seeds = setup["seeds"]
     print(
-        f"\nmachine: {setup['machine']}; seeds {seeds}, {setup['steps']} SFT steps on {setup['n_sft']} additions, "
-        f"{setup['bits']}-bit routed "
-        f"experts, groups of 32; model: tiny preset + {json.dumps(setup['model_overrides'])}\n"
+        f"\nmachine: {setup['machine']}; seeds {seeds}, {setup['steps']} SFT steps on {setup['n_sft']} "
+        f"additions, {setup['bits']}-bit routed experts, groups of 32; model: tiny preset + "
+        f"{json.dumps(setup['model_overrides'])}\n"
     )
     print("| model | eval loss | greedy agreement with FP | held-out accuracy |")
     print("|---|---|---|---|")
