@@ -219,3 +219,12 @@ def test_paged_decode_benchmark_prints_its_tables():
     out = run_bench("paged_decode.py", "--repeats", "2", "--engine-rounds", "1")
     assert "| attention (one layer) |" in out and "| engine, sequences |" in out
     assert out.count(" heads x ") == 4 and out.count("x |") >= 7  # 4 shapes, 3 engine sizes
+
+
+def test_engine_step_benchmark_prints_its_table():
+    out = run_bench(
+        "engine_step.py", "--batches", "1", "2", "--repeats", "1", "--new-tokens", "4", "--prompt-tokens", "8"
+    )
+    rows = [line for line in out.splitlines() if line.startswith(("| float32 |", "| bfloat16 |"))]
+    assert len(rows) == 4, out  # 2 dtypes x 2 batch sizes
+    assert all(float(r.split("|")[3]) > 0 for r in rows)
