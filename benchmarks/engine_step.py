@@ -63,7 +63,7 @@ def main() -> None:
     }
     times: dict[tuple[str, int], list[float]] = {(d, b): [] for d in models for b in args.batches}
     with torch.no_grad():
-        for d, m in models.items():  # warm-up: first-call costs (oneDNN packing, allocations)
+        for m in models.values():  # warm-up: first-call costs (oneDNN packing, allocations)
             decode_ms_per_step(m, prompts[args.batches[0]], 4)
         for _ in range(args.repeats):
             for d, m in models.items():
