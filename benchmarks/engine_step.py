@@ -70,7 +70,9 @@ def main() -> None:
                 for b in args.batches:
                     times[(d, b)].append(decode_ms_per_step(m, prompts[b], args.new_tokens))
 
-    print(f"# engine decode step: tiny-vllm ({next(iter(models.values())).num_parameters() / 1e6:.1f}M params), random weights")
+    print(
+        f"# engine decode step: tiny-vllm ({next(iter(models.values())).num_parameters() / 1e6:.1f}M params), random weights"
+    )
     print(f"# {machine(load=True)}; flags {' '.join(cpu_flags()) or '-'}; torch {torch.__version__}")
     print(
         f"# {args.prompt_tokens}-token prompts, {args.new_tokens} greedy tokens, threads {args.threads}, "
