@@ -160,8 +160,14 @@ def test_qat_proof_driver_runs_every_stage(tmp_path):
     assert (tmp_path / "seed0" / "qat-int2-deployed" / "config.json").is_file()
     # the report again from the stored results, with the setup the runs had
     again = run_bench("qat_proof.py", "--out", str(tmp_path), "--bits", "2", "--report-only", "--steps", "7")
-    assert "seeds [0], 2 SFT steps on 256 additions, 2-bit routed experts" in again
+    assert "seeds [0], 2 SFT steps on 2400 additions, 2-bit routed experts" in again
     assert json.loads((tmp_path / "qat_proof-int2.json").read_text())["results"] == two["results"]
+    # finished runs on other data are never reused as if they were this count's
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "qat_proof.py"), "--seeds", "0", "--steps", "2", "--out",
+         str(tmp_path), "--n-sft", "16", "--heldout", "8"], capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert res.returncode != 0 and "another --n-sft needs another --out" in res.stderr, res.stderr[-2000:]
 
 
 def test_qat_proof_gap_summary_against_hand_computed_values(monkeypatch):
