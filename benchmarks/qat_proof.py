@@ -22,7 +22,7 @@ Reruns skip finished runs (the FP runs are shared by every --bits). Prints the t
 spread over seeds) and, for eval loss and accuracy, the PTQ gap paired by seed with the 95%
 confidence interval of its mean (Student t over the per-seed gaps) and the spread of its per-seed
 values, and the share QAT closes; writes OUT/qat_proof.json (OUT/qat_proof-intB.json for 3 or 2
-bits). The bar (docs/model.md): the PTQ gap, paired by seed, exceeds the seed noise (its 95%
+bits) and a bar chart of both scores per seed beside it (.png). The bar (docs/model.md): the PTQ gap, paired by seed, exceeds the seed noise (its 95%
 interval excludes zero), and QAT closes at least half of it.
 """
 
@@ -162,6 +162,41 @@ def ptq_gap(results: dict[str, dict[str, list[float]]], metric: str, worse: floa
     }
 
 
+def plot(results: dict, setup: dict, path: Path) -> Path:
+    """Per seed, FP / PTQ / QAT side by side: held-out accuracy and eval loss (the two scores the
+    gap is judged on), the means as the last group."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seeds = [str(s) for s in setup["seeds"]] + ["mean"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.27
+    for ax, (metric, title) in zip(
+        axes, (("accuracy", "held-out accuracy (greedy)"), ("eval_loss", "eval loss"))
+    ):
+        for i, (name, color) in enumerate((("FP", "tab:gray"), ("PTQ", "tab:red"), ("QAT", "tab:blue"))):
+            vals = results[name][metric] + [statistics.mean(results[name][metric])]
+            ax.bar([x + (i - 1) * width for x in range(len(seeds))], vals, width, color=color, label=name)
+        ax.set_xticks(range(len(seeds)), [f"seed {s}" if s != "mean" else s for s in seeds])
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+        if metric == "accuracy":
+            lo = min(min(v["accuracy"]) for v in results.values())
+            ax.set_ylim(max(0.0, lo - 0.1), 1.0)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(
+        f"{setup['bits']}-bit routed experts (groups of 32), {setup['steps']} SFT steps on {setup['n_sft']} "
+        f"additions: FP, post-training quantised (PTQ), QAT\n{setup['machine']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def report(results: dict, setup: dict, out: Path) -> None:
     """Print the table and the PTQ gaps; write them with the per-seed results and the `setup` (the
     machine, seeds, steps, bits and model the runs had) to `out`."""
@@ -192,6 +227,7 @@ def report(results: dict, setup: dict, out: Path) -> None:
                 "no gap beyond the seed noise to close at this width"
             )
     out.write_text(json.dumps({**setup, "results": results, **summary}, indent=2))
+    print(f"\nwrote {out} and {plot(results, setup, out.with_suffix('.png'))}")
 
 
 def main() -> None:

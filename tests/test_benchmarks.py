@@ -148,6 +148,7 @@ def test_qat_proof_driver_runs_every_stage(tmp_path):
     results = json.loads((tmp_path / "qat_proof.json").read_text())["results"]
     assert results["FP"]["agreement"] == [1.0] and set(results) == {"FP", "PTQ", "QAT"}
     assert (tmp_path / "seed0" / "qat-int4" / "config.json").is_file()
+    assert (tmp_path / "qat_proof.png").stat().st_size > 0  # the per-seed bar chart
     # a coarser width: the FP run is reused, QAT trains at 2 bits, the deployed experts are rounded
     out = run_bench(
         "qat_proof.py", "--seeds", "0", "--steps", "2", "--out", str(tmp_path), "--heldout", "8",
